@@ -1,0 +1,30 @@
+# Two commands for a newcomer on a fresh machine:
+#   make demo   set up the virtual environment, then train on the embedded default (tiny) config
+#   make test   set up the virtual environment, then run every test (unit, integration, e2e)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ARGS ?=
+
+.PHONY: demo test test-fast bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/llm-pretrain train $(ARGS)
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest tests
+
+test-fast: $(VENV)/.installed
+	$(BIN)/python -m pytest tests -m "unit or integration"
+
+bench: $(VENV)/.installed
+	$(BIN)/python bench/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

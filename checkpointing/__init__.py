@@ -1,0 +1,4 @@
+"""Sharded asynchronous checkpoints (named numpy arrays + JSON metadata).
+
+Imports neither `daemon` nor `engine`.
+"""

@@ -1,0 +1,72 @@
+"""The `llm-pretrain` command line.
+
+Owns: argument parsing, turning errors into one line and a documented exit
+code (daemon.protocol.ExitCode), and dispatch. Subcommands that need MindSpore
+(`train`) import it inside the subcommand, so the others start fast and work
+where MindSpore is not installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+from daemon.protocol import ExitCode
+from engine.config import ConfigError, config_hash, load_config
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML config (default: the embedded tiny config, configs/tiny.toml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config key; repeatable (e.g. --set train.steps=50)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="llm-pretrain",
+                                     description="Fault-tolerant LLM pretraining on MindSpore.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train in this process (also the entry point of each rank)")
+    _add_config_args(train)
+
+    show = sub.add_parser("config", help="validate a config and print it resolved, with its trajectory hash")
+    _add_config_args(show)
+    return parser
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    print(json.dumps({"config": cfg.to_dict(), "config_hash": config_hash(cfg)}, indent=2))
+    return ExitCode.OK
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)   # validated before MindSpore is loaded
+    from engine import runtime
+
+    runtime.check_process_count(cfg)
+    from engine import worker
+
+    worker.train(cfg)
+    return ExitCode.OK
+
+
+COMMANDS = {"train": _cmd_train, "config": _cmd_config}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(COMMANDS[args.command](args))
+    except ConfigError as e:
+        print(f"llm-pretrain: config error: {e}", file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
+    except KeyboardInterrupt:
+        print("llm-pretrain: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""The one definition of what passes between worker and supervisor: exit codes and events.
+
+Stdlib only, and imports nothing else of the project: the worker, the supervisor
+and the fake worker of the integration tests all import it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import math
+from typing import Any
+
+
+class ExitCode(enum.IntEnum):
+    """Every exit status the project's processes use; systemd's unit lists the final ones."""
+
+    OK = 0                  # finished, or stopped on request
+    USAGE = 2               # command-line usage error (argparse's own code)
+    GAVE_UP_CRASH_LOOP = 3  # restarts made no progress
+    GAVE_UP_NUMERICS = 4    # numerical incidents beyond the policy's limits
+    LOCKED = 5              # another daemon holds this run's lock
+    DATA_ERROR = 65         # bad data (EX_DATAERR)
+    INTERNAL_ERROR = 70     # internal error (EX_SOFTWARE): the one code systemd restarts on
+    CONFIG_ERROR = 78       # bad configuration (EX_CONFIG)
+
+
+# Codes after which restarting cannot help: the unit's RestartPreventExitStatus=.
+FINAL_EXIT_CODES = tuple(c for c in ExitCode if c is not ExitCode.INTERNAL_ERROR)
+
+
+
+def _encode_float(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    return value
+
+
+def _decode_float(value: Any) -> Any:
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    return value
+
+
+class _Event:
+    """JSON encoding shared by every event record (non-finite floats travel as 'nan'/'inf')."""
+
+    def to_json(self) -> str:
+        return json.dumps({k: _encode_float(v) for k, v in dataclasses.asdict(self).items()}, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        return cls(**{k: _decode_float(v) for k, v in data.items()})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepEvent(_Event):
+    """One optimizer step, as every rank saw it (loss and grad norm are global)."""
+
+    rank: int
+    generation: int
+    step: int                 # 1-based: the number of optimizer steps completed
+    loss: float               # mean over the global batch, unscaled
+    grad_norm: float          # global L2 norm of the unscaled, unclipped gradients
+    loss_scale: float         # the scale this step ran with (1.0 outside fp16)
+    lr: float                 # the learning rate applied at this step
+    lr_multiplier: float      # product of the lr overrides in force (1.0 when none)
+    skipped: bool             # the update was not applied (non-finite gradients)
+    sample_start: int         # global sample-index range [sample_start, sample_end)
+    sample_end: int
+    tokens: int               # tokens this step consumed, all ranks together
+    step_s: float             # wall time of the step
+    data_wait_s: float        # of which waiting for the input pipeline
+    tokens_per_s: float       # tokens / step_s
+    kind: str = "step"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExitEvent(_Event):
+    """A worker's last word: why it ends, at which step, and a digest of its parameters."""
+
+    rank: int
+    generation: int
+    step: int
+    reason: str               # "finished", "stopped", …
+    params_sha256: str = ""   # over every parameter's name and bytes: equal digests, equal weights
+    kind: str = "exit"
+
+
+EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent}
+
+
+def decode_event(line: str | bytes) -> _Event:
+    """Parses one JSON event; raises ValueError on anything that is not a known event."""
+    data = json.loads(line)
+    if not isinstance(data, dict) or data.get("kind") not in EVENT_TYPES:
+        raise ValueError(f"not an event: {str(line)[:80]!r}")
+    return EVENT_TYPES[data["kind"]].from_dict(data)

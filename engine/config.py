@@ -1,0 +1,395 @@
+"""The run configuration: one TOML file, one frozen dataclass per section, validated on load.
+
+Owns: the schema (every key, its type, default and meaning), loading with
+`--set section.key=value` overrides, every validity rule, and the hash of the
+trajectory-defining keys that checkpoints record.
+
+Must not import MindSpore (the supervisor and the CLI load configs without it).
+The defaults are the tiny config: what runs when no file is given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the key and what is allowed."""
+
+
+def _fail(msg: str) -> typing.NoReturn:
+    raise ConfigError(msg)
+
+
+def _choice(path: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        _fail(f"{path} = {value!r} is not allowed; use one of {', '.join(repr(a) for a in allowed)}")
+
+
+def _at_least(path: str, value: float, low: float) -> None:
+    if value < low:
+        _fail(f"{path} = {value!r} is out of range; it must be >= {low}")
+
+
+def _in_range(path: str, value: float, low: float, high: float, *, open_low: bool = False) -> None:
+    if value < low or value > high or (open_low and value == low):
+        bracket = "(" if open_low else "["
+        _fail(f"{path} = {value!r} is out of range; it must be in {bracket}{low}, {high}]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """The network's shape. Changing any of these starts a different model."""
+
+    arch: str = "llama"            # "llama" (RMSNorm, RoPE, SwiGLU, GQA) or "gpt2" (LayerNorm, GELU, learned positions)
+    vocab_size: int = 512          # embedding rows; >= the tokenizer's vocabulary
+    hidden_size: int = 64          # model width
+    num_layers: int = 2            # decoder blocks
+    num_heads: int = 4             # query heads; hidden_size must divide by it
+    num_kv_heads: int = 2          # key/value heads (grouped-query attention); divides num_heads
+    intermediate_size: int = 176   # MLP inner width
+    max_seq_len: int = 256         # longest sequence the positions support
+    rope_theta: float = 10000.0    # RoPE base (llama)
+    norm_eps: float = 1e-5         # epsilon of RMSNorm / LayerNorm
+    tie_embeddings: bool = False   # share the input embedding with the output projection
+    init_std: float = 0.02         # std of the normal init; output projections get std/sqrt(2*num_layers)
+
+    def __post_init__(self) -> None:
+        _choice("model.arch", self.arch, ("llama", "gpt2"))
+        for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                    "intermediate_size", "max_seq_len"):
+            _at_least(f"model.{key}", getattr(self, key), 1)
+        _at_least("model.vocab_size", self.vocab_size, 2)
+        if self.hidden_size % self.num_heads:
+            _fail(f"model.hidden_size = {self.hidden_size} must be divisible by model.num_heads = {self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            _fail(f"model.num_kv_heads = {self.num_kv_heads} must divide model.num_heads = {self.num_heads}")
+        if self.arch == "llama" and self.head_dim % 2:
+            _fail(f"model.hidden_size / model.num_heads = {self.head_dim} must be even for rotary embeddings")
+        _in_range("model.rope_theta", self.rope_theta, 1.0, 1e9)
+        _in_range("model.norm_eps", self.norm_eps, 0.0, 1e-2, open_low=True)
+        _in_range("model.init_std", self.init_std, 0.0, 1.0, open_low=True)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    """Where training sequences come from and in which order."""
+
+    source: str = "synthetic"      # "synthetic": a seeded Markov chain (learnable, no files needed)
+    seq_len: int = 64              # tokens per training sequence (each sample holds seq_len + 1)
+    seed: int = 1234               # data order and synthetic chain
+    synthetic_successors: int = 4  # synthetic: distinct next tokens each token can have
+
+    def __post_init__(self) -> None:
+        _choice("data.source", self.source, ("synthetic",))
+        _at_least("data.seq_len", self.seq_len, 2)
+        _at_least("data.seed", self.seed, 0)
+        _at_least("data.synthetic_successors", self.synthetic_successors, 1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """How the step runs: device, precision, batch geometry, length."""
+
+    device: str = "cpu"            # "cpu" or "ascend"
+    precision: str = "fp32"        # compute dtype: "fp32", "fp16" (loss-scaled) or "bf16" (ascend only)
+    steps: int = 200               # optimizer steps in the run
+    global_batch: int = 8          # sequences per optimizer step = micro_batch * grad_accum_steps * dp
+    micro_batch: int = 8           # sequences per forward/backward on one rank
+    grad_accum_steps: int = 1      # micro-batches accumulated per optimizer step
+    recompute: bool = False        # recompute each decoder layer's activations in the backward pass
+    seed: int = 1234               # parameter init
+    compute_threads: int = 0       # intra-op threads per rank; 0 = this machine's cores / local ranks
+    loss_scale_init: float = 65536.0     # fp16: initial dynamic loss scale
+    loss_scale_window_steps: int = 1000  # fp16: clean steps before the scale doubles
+    loss_scale_min: float = 1.0          # fp16: the scale never halves below this
+    log_interval_steps: int = 1    # print a step line every N steps
+
+    def __post_init__(self) -> None:
+        _choice("train.device", self.device, ("cpu", "ascend"))
+        _choice("train.precision", self.precision, ("fp32", "fp16", "bf16"))
+        for key in ("steps", "global_batch", "micro_batch", "grad_accum_steps", "loss_scale_window_steps",
+                    "log_interval_steps"):
+            _at_least(f"train.{key}", getattr(self, key), 1)
+        _at_least("train.seed", self.seed, 0)
+        _at_least("train.compute_threads", self.compute_threads, 0)
+        _in_range("train.loss_scale_min", self.loss_scale_min, 0.0, 2.0**24, open_low=True)
+        _in_range("train.loss_scale_init", self.loss_scale_init, self.loss_scale_min, 2.0**24)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimConfig:
+    """AdamW (bias-corrected, decoupled weight decay) with linear warmup then cosine decay."""
+
+    lr: float = 3e-3               # peak learning rate, reached at the end of warmup
+    min_lr: float = 3e-4           # floor of the cosine decay
+    warmup_steps: int = 20         # linear warmup from lr/warmup_steps to lr
+    cosine_steps: int = 0          # length of the cosine decay after warmup; 0 = until train.steps
+    beta1: float = 0.9             # decay of the first-moment estimate
+    beta2: float = 0.95            # decay of the second-moment estimate
+    eps: float = 1e-8              # added to the second moment's root, as torch's AdamW does
+    weight_decay: float = 0.1      # applied to matrices and embeddings, not to norms and biases
+    grad_clip: float = 1.0         # global-norm clipping threshold; 0 disables
+
+    def __post_init__(self) -> None:
+        _in_range("optim.lr", self.lr, 0.0, 10.0, open_low=True)
+        _in_range("optim.min_lr", self.min_lr, 0.0, self.lr)
+        _at_least("optim.warmup_steps", self.warmup_steps, 0)
+        _at_least("optim.cosine_steps", self.cosine_steps, 0)
+        _in_range("optim.beta1", self.beta1, 0.0, 0.999999)
+        _in_range("optim.beta2", self.beta2, 0.0, 0.999999)
+        _in_range("optim.eps", self.eps, 0.0, 1.0, open_low=True)
+        _in_range("optim.weight_decay", self.weight_decay, 0.0, 10.0)
+        _at_least("optim.grad_clip", self.grad_clip, 0.0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """Parallel layout. On CPU only data parallel runs; tp/pp/sharding map onto Ascend's semi-auto parallel."""
+
+    dp: int = 1                    # data-parallel ranks
+    tp: int = 1                    # tensor-parallel ranks (Ascend)
+    pp: int = 1                    # pipeline stages (Ascend)
+    pipeline_microbatches: int = 1  # micro-batches in flight through the pipeline (Ascend, pp > 1)
+    optimizer_shard: bool = False  # shard optimizer state across dp (Ascend)
+    sequence_parallel: bool = False  # shard norms/dropout activations along the sequence (Ascend, tp > 1)
+
+    def __post_init__(self) -> None:
+        for key in ("dp", "tp", "pp", "pipeline_microbatches"):
+            _at_least(f"parallel.{key}", getattr(self, key), 1)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """When checkpoints are saved and which are kept."""
+
+    interval_steps: int = 50       # save every N steps (0 = only on stop and at the end)
+    keep_last: int = 3             # retain the newest N
+    keep_every_steps: int = 0      # also retain every checkpoint whose step divides by this (0 = none)
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint.interval_steps", self.interval_steps, 0)
+        _at_least("checkpoint.keep_last", self.keep_last, 1)
+        _at_least("checkpoint.keep_every_steps", self.keep_every_steps, 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HealthConfig:
+    """Incident detection and the recovery policy's limits."""
+
+    allow_fault_injection: bool = False  # honour `llm-pretrain inject` fault drills
+
+    def __post_init__(self) -> None:
+        pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Naming and where the run's files live."""
+
+    name: str = "tiny"             # run name: letters, digits, '-', '_', '.'
+    dir: str = ""                  # run directory; "" = $STATE_DIRECTORY/<name> under systemd, else ./runs/<name>
+    log_dir: str = ""              # event and rank logs; "" = $LOGS_DIRECTORY/<name> under systemd, else <dir>/logs
+
+    def __post_init__(self) -> None:
+        allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
+        if not self.name or not set(self.name) <= allowed or self.name.startswith("."):
+            _fail(f"run.name = {self.name!r} is not allowed; use letters, digits, '-', '_' and '.' "
+                  "(not starting with '.')")
+
+    def resolved_dir(self, env: typing.Mapping[str, str] = os.environ) -> Path:
+        if self.dir:
+            return Path(self.dir)
+        state = env.get("STATE_DIRECTORY")
+        return Path(state.split(":")[0]) / self.name if state else Path("runs") / self.name
+
+    def resolved_log_dir(self, env: typing.Mapping[str, str] = os.environ) -> Path:
+        if self.log_dir:
+            return Path(self.log_dir)
+        logs = env.get("LOGS_DIRECTORY")
+        return Path(logs.split(":")[0]) / self.name if logs else self.resolved_dir(env) / "logs"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    optim: OptimConfig = OptimConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    health: HealthConfig = HealthConfig()
+    run: RunConfig = RunConfig()
+
+    def __post_init__(self) -> None:
+        _check_cross_section(self)
+
+    @property
+    def cosine_steps(self) -> int:
+        """The resolved length of the cosine decay."""
+        return self.optim.cosine_steps or max(1, self.train.steps - self.optim.warmup_steps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_cross_section(cfg: Config) -> None:
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if cfg.data.seq_len > m.max_seq_len:
+        _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    if t.precision == "bf16" and t.device != "ascend":
+        _fail(f'train.precision = "bf16" needs train.device = "ascend"; on "{t.device}" use "fp32" or "fp16"')
+    if t.device == "cpu":
+        for key, value, neutral in (("tp", p.tp, 1), ("pp", p.pp, 1),
+                                    ("optimizer_shard", p.optimizer_shard, False),
+                                    ("sequence_parallel", p.sequence_parallel, False)):
+            if value != neutral:
+                _fail(f"parallel.{key} = {_toml(value)} needs train.device = \"ascend\"; on \"cpu\" only "
+                      f"data parallel runs (set parallel.{key} = {_toml(neutral)})")
+    per_step = t.micro_batch * t.grad_accum_steps * p.dp
+    if per_step != t.global_batch:
+        _fail(f"train.global_batch = {t.global_batch} must equal train.micro_batch ({t.micro_batch}) x "
+              f"train.grad_accum_steps ({t.grad_accum_steps}) x parallel.dp ({p.dp}) = {per_step}")
+    if p.tp > 1:
+        for key in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
+            if getattr(m, key) % p.tp:
+                _fail(f"model.{key} = {getattr(m, key)} must be divisible by parallel.tp = {p.tp}")
+    if p.sequence_parallel and p.tp == 1:
+        _fail("parallel.sequence_parallel = true needs parallel.tp > 1")
+    if p.pp > 1:
+        if m.num_layers < p.pp:
+            _fail(f"parallel.pp = {p.pp} exceeds model.num_layers = {m.num_layers}; each stage needs a layer")
+        if p.pipeline_microbatches < p.pp:
+            _fail(f"parallel.pipeline_microbatches = {p.pipeline_microbatches} must be >= parallel.pp = {p.pp} "
+                  "or the pipeline never fills")
+        if t.micro_batch % p.pipeline_microbatches:
+            _fail(f"train.micro_batch = {t.micro_batch} must be divisible by parallel.pipeline_microbatches = "
+                  f"{p.pipeline_microbatches}")
+    elif p.pipeline_microbatches != 1:
+        _fail(f"parallel.pipeline_microbatches = {p.pipeline_microbatches} needs parallel.pp > 1 (or set it to 1)")
+
+
+def _toml(value: Any) -> str:
+    return json.dumps(value)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Config)
+
+
+def _type_name(tp: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _coerce(path: str, value: Any, tp: Any) -> Any:
+    """Checks one value against its field's type; ints are accepted where numbers are."""
+    ok = (isinstance(value, bool) if tp is bool
+          else isinstance(value, int) and not isinstance(value, bool) if tp is int
+          else isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float
+          else isinstance(value, str))
+    if not ok:
+        _fail(f"{path} = {_toml(value) if not isinstance(value, dict) else 'a table'} has the wrong type; "
+              f"it must be {_type_name(tp)}")
+    if tp is float:
+        value = float(value)
+        if not math.isfinite(value):
+            _fail(f"{path} = {value!r} must be a finite number")
+    return value
+
+
+def _build_section(name: str, table: Any) -> Any:
+    cls = SECTIONS[name]
+    if not isinstance(table, dict):
+        _fail(f"[{name}] must be a table, not {_toml(table)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in fields:
+            _fail(f"unknown key {name}.{key}; [{name}] takes {', '.join(sorted(fields))}")
+    return cls(**{k: _coerce(f"{name}.{k}", v, hints[k]) for k, v in table.items()})
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    for name in data:
+        if name not in SECTIONS:
+            _fail(f"unknown section [{name}]; sections are {', '.join(f'[{s}]' for s in SECTIONS)}")
+    return Config(**{name: _build_section(name, table) for name, table in data.items()})
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value` → (section, key, value); the value is read as TOML, else as a bare string."""
+    path, sep, raw = text.partition("=")
+    section, dot, key = path.strip().partition(".")
+    if not sep or not dot or not section or not key:
+        _fail(f"--set {text!r} is malformed; use --set section.key=value (for example --set train.steps=50)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Loads a TOML file (None = the embedded tiny defaults), applies overrides, validates everything."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except FileNotFoundError:
+            _fail(f"config file {os.fspath(path)!r} does not exist")
+        except IsADirectoryError:
+            _fail(f"config file {os.fspath(path)!r} is a directory; pass a .toml file")
+        except tomllib.TOMLDecodeError as e:
+            _fail(f"config file {os.fspath(path)!r} is not valid TOML: {e}")
+        except UnicodeDecodeError:
+            _fail(f"config file {os.fspath(path)!r} is not UTF-8 text")
+    for text in overrides:
+        section, key, value = parse_override(text)
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            _fail(f"[{section}] must be a table, not {_toml(table)}")
+        table[key] = value
+    return config_from_dict(data)
+
+
+# Keys that may change between a checkpoint and its resumption without changing the
+# trajectory: batch geometry below global_batch, parallel layout, recompute, device,
+# how often things are logged or saved, where files go.
+_TRAJECTORY_NEUTRAL = {
+    "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "compute_threads",
+              "log_interval_steps", "steps"},
+    "parallel": "*", "checkpoint": "*", "health": "*", "run": "*",
+}
+
+
+def trajectory_dict(cfg: Config) -> dict[str, Any]:
+    """The keys that define the training trajectory (with the cosine horizon resolved)."""
+    out: dict[str, Any] = {}
+    for section, values in cfg.to_dict().items():
+        neutral = _TRAJECTORY_NEUTRAL.get(section, set())
+        if neutral == "*":
+            continue
+        out[section] = {k: v for k, v in values.items() if k not in neutral}
+    out["optim"]["cosine_steps"] = cfg.cosine_steps
+    return out
+
+
+def config_hash(cfg: Config) -> str:
+    """sha256 over the trajectory-defining keys; checkpoints record it, resumption compares it."""
+    blob = json.dumps(trajectory_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

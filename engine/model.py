@@ -1,0 +1,249 @@
+"""The decoder-only language model: LLaMA (RMSNorm, RoPE, SwiGLU, GQA) and a GPT-2 variant.
+
+Owns: the network and its parameter names. Names follow Hugging Face's
+`LlamaForCausalLM` one-to-one (`model.layers.0.self_attn.q_proj.weight`, …,
+`lm_head.weight`), and every Linear weight is (out_features, in_features) like
+torch's, so a Hugging Face export is a plain copy. Rotary embeddings use
+Hugging Face's rotate-half layout.
+
+Parameters are fp32; matmuls run in the compute dtype (fp32, fp16; bf16 on
+Ascend), norms, softmax and the loss in fp32. Only ops with CPU kernels are
+used (no mint RmsNorm/LayerNormExt/GeluExt). Initialisation draws from numpy
+with the config's seed, so every data-parallel rank starts from the same weights.
+"""
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from engine.config import ModelConfig
+
+DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
+
+
+class _Init:
+    """Deterministic numpy initialiser: the same seed gives the same weights on every rank."""
+
+    def __init__(self, seed: int, std: float):
+        self.rng = np.random.default_rng(seed)
+        self.std = std
+
+    def normal(self, shape: tuple[int, ...], std: float | None = None) -> Tensor:
+        std = self.std if std is None else std
+        return Tensor(self.rng.normal(0.0, std, size=shape).astype(np.float32))
+
+    @staticmethod
+    def const(shape: tuple[int, ...], value: float) -> Tensor:
+        return Tensor(np.full(shape, value, dtype=np.float32))
+
+
+class Linear(nn.Cell):
+    """y = x W^T (+ b) with W of shape (out, in); the matmul runs in the compute dtype."""
+
+    def __init__(self, init: _Init, in_features: int, out_features: int, *, bias: bool = False,
+                 std: float | None = None, compute_dtype=ms.float32):
+        super().__init__()
+        self.weight = Parameter(init.normal((out_features, in_features), std), name="weight")
+        self.bias = Parameter(init.const((out_features,), 0.0), name="bias") if bias else None
+        self.compute_dtype = compute_dtype
+        self.matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, x):
+        lead = x.shape[:-1]
+        y = self.matmul(x.reshape(-1, x.shape[-1]).astype(self.compute_dtype),
+                        self.weight.astype(self.compute_dtype))
+        if self.bias is not None:
+            y = y + self.bias.astype(self.compute_dtype)
+        return y.reshape(lead + (-1,))
+
+
+class RMSNorm(nn.Cell):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
+        self.eps = eps
+
+    def construct(self, x):
+        x = x.astype(ms.float32)
+        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
+
+
+class LayerNorm(nn.Cell):
+    """Written out: LayerNormExt has no CPU kernel."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
+        self.bias = Parameter(_Init.const((size,), 0.0), name="bias")
+        self.eps = eps
+
+    def construct(self, x):
+        x = x.astype(ms.float32)
+        mean = x.mean(-1, keep_dims=True)
+        centred = x - mean
+        var = (centred * centred).mean(-1, keep_dims=True)
+        return centred * ops.rsqrt(var + self.eps) * self.weight + self.bias
+
+
+def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin of shape (max_seq_len, head_dim) in Hugging Face's layout: frequencies repeated [f, f]."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    angles = np.outer(np.arange(max_seq_len, dtype=np.float64), inv_freq)   # (T, head_dim/2)
+    angles = np.concatenate([angles, angles], axis=-1)                       # (T, head_dim)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return ops.cat((-x[..., half:], x[..., :half]), -1)
+
+
+class Attention(nn.Cell):
+    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, rotary: bool):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        bias = cfg.arch == "gpt2"
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = Linear(init, h, cfg.num_heads * d, bias=bias, compute_dtype=compute_dtype)
+        self.k_proj = Linear(init, h, cfg.num_kv_heads * d, bias=bias, compute_dtype=compute_dtype)
+        self.v_proj = Linear(init, h, cfg.num_kv_heads * d, bias=bias, compute_dtype=compute_dtype)
+        self.o_proj = Linear(init, cfg.num_heads * d, h, bias=bias, std=out_std, compute_dtype=compute_dtype)
+        self.rotary = rotary
+        self.scale = 1.0 / math.sqrt(d)
+        self.compute_dtype = compute_dtype
+
+    def _heads(self, x, n):
+        b, t, _ = x.shape
+        return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)        # (B, n, T, d)
+
+    def construct(self, x, cos, sin, mask):
+        b, t, _ = x.shape
+        kv, rep, d = self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim
+        q = self._heads(self.q_proj(x), self.num_heads).astype(ms.float32)
+        k = self._heads(self.k_proj(x), kv).astype(ms.float32)
+        v = self._heads(self.v_proj(x), kv)
+        if self.rotary:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        # Grouped-query attention without repeating k/v (whose broadcast has a slow
+        # gradient on CPU): query head h uses kv head h // rep, as Hugging Face's
+        # repeat_kv does, so fold each group's rep query heads into the row axis.
+        cd = self.compute_dtype
+        q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
+        scores = ops.matmul(q.astype(cd), k.astype(cd).transpose(0, 1, 3, 2)).astype(ms.float32)
+        scores = scores.reshape(b, kv, rep, t, t) * self.scale + mask          # (B, kv, rep, T, T)
+        probs = ops.softmax(scores, -1).reshape(b, kv, rep * t, t)
+        out = ops.matmul(probs.astype(cd), v.astype(cd))                       # (B, kv, rep*T, d)
+        out = out.reshape(b, self.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * d)
+        return self.o_proj(out).astype(ms.float32)
+
+
+class SwiGLU(nn.Cell):
+    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(init, h, f, compute_dtype=compute_dtype)
+        self.up_proj = Linear(init, h, f, compute_dtype=compute_dtype)
+        self.down_proj = Linear(init, f, h, std=out_std, compute_dtype=compute_dtype)
+
+    def construct(self, x):
+        gate = self.gate_proj(x).astype(ms.float32)
+        up = self.up_proj(x).astype(ms.float32)
+        return self.down_proj(ops.silu(gate) * up).astype(ms.float32)
+
+
+class GeluMLP(nn.Cell):
+    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.intermediate_size
+        self.up_proj = Linear(init, h, f, bias=True, compute_dtype=compute_dtype)
+        self.down_proj = Linear(init, f, h, bias=True, std=out_std, compute_dtype=compute_dtype)
+
+    def construct(self, x):
+        return self.down_proj(ops.gelu(self.up_proj(x).astype(ms.float32), approximate="tanh")).astype(ms.float32)
+
+
+class DecoderLayer(nn.Cell):
+    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype):
+        super().__init__()
+        out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+        llama = cfg.arch == "llama"
+        norm = RMSNorm if llama else LayerNorm
+        self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = (SwiGLU if llama else GeluMLP)(cfg, init, out_std, compute_dtype)
+
+    def construct(self, x, cos, sin, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Cell):
+    """The trunk, named like Hugging Face's `LlamaModel` (`model.` prefix in the full network)."""
+
+    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype):
+        super().__init__()
+        self.embed_tokens = Parameter(init.normal((cfg.vocab_size, cfg.hidden_size)), name="weight")
+        self.embed_positions = (Parameter(init.normal((cfg.max_seq_len, cfg.hidden_size)), name="weight")
+                                if cfg.arch == "gpt2" else None)
+        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype) for _ in range(cfg.num_layers)])
+        self.norm = (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.hidden_size, cfg.norm_eps)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.cos, self.sin = Tensor(cos), Tensor(sin)
+        causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, dtype=np.float32), k=1)
+        self.causal_mask = Tensor(causal)
+
+    def construct(self, tokens):
+        t = tokens.shape[1]
+        x = ops.gather(self.embed_tokens, tokens, 0)                          # (B, T, hidden)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions[:t]
+        cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class CausalLM(nn.Cell):
+    """tokens (B, T) → mean next-token cross-entropy; `logits` exposes the (B, T, vocab) scores."""
+
+    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute: bool = False):
+        super().__init__()
+        init = _Init(seed, cfg.init_std)
+        dtype = DTYPES[compute_dtype]
+        self.config = cfg
+        self.model = DecoderModel(cfg, init, dtype)
+        self.lm_head = None if cfg.tie_embeddings else Linear(init, cfg.hidden_size, cfg.vocab_size,
+                                                              compute_dtype=dtype)
+        self.compute_dtype = dtype
+        self.tied_matmul = ops.MatMul(transpose_b=True)
+        if recompute:
+            for layer in self.model.layers:
+                layer.recompute()
+        # Hugging Face names the embedding `model.embed_tokens.weight`; a bare Parameter
+        # attribute would be `model.embed_tokens`, so name them explicitly.
+        self.model.embed_tokens.name = "model.embed_tokens.weight"
+        if self.model.embed_positions is not None:
+            self.model.embed_positions.name = "model.embed_positions.weight"
+
+    def logits(self, tokens):
+        h = self.model(tokens)                                                # (B, T, hidden)
+        if self.lm_head is not None:
+            return self.lm_head(h).astype(ms.float32)
+        b, t, d = h.shape
+        out = self.tied_matmul(h.reshape(b * t, d).astype(self.compute_dtype),
+                               self.model.embed_tokens.astype(self.compute_dtype))
+        return out.reshape(b, t, -1).astype(ms.float32)                       # (B, T, vocab)
+
+    def construct(self, tokens, targets):
+        logits = self.logits(tokens)
+        vocab = logits.shape[-1]
+        return ops.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+
+
+def parameter_count(net: nn.Cell) -> int:
+    return int(sum(np.prod(p.shape) for p in net.trainable_params()))

@@ -1,0 +1,68 @@
+"""Bringing up MindSpore in a worker: execution mode, device, threads, and the dynamic cluster.
+
+MindSpore is imported inside `setup` only, so the CLI can run the checks here first.
+
+Owns: the translation of the config and of msrun's environment variables
+(MS_ROLE, MS_WORKER_NUM, MS_NODE_ID, MS_SCHED_HOST, MS_SCHED_PORT, …) into
+MindSpore context calls, and the check that the cluster MindSpore formed is
+the one the config describes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+from engine import parallel
+from engine.config import Config, ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    local_world_size: int   # ranks sharing this machine's cores
+
+
+def is_cluster_member(env: Mapping[str, str] = os.environ) -> bool:
+    """True when started as a rank of MindSpore's dynamic cluster (by our supervisor or msrun)."""
+    return env.get("MS_ROLE") == "MS_WORKER"
+
+
+def compute_threads(cfg: Config, local_world_size: int) -> int:
+    """Intra-op threads for this rank: the config's, else an equal share of the cores (at least 1)."""
+    if cfg.train.compute_threads:
+        return cfg.train.compute_threads
+    return max(1, (os.cpu_count() or 1) // local_world_size)
+
+
+def check_process_count(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
+    """A lone process runs one rank: refuse a multi-rank layout before MindSpore is even loaded."""
+    if not is_cluster_member(env) and cfg.parallel.world_size != 1:
+        raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} needs that many ranks; "
+                          "a single process runs only 1 (start ranks with `llm-pretrain run`)")
+
+
+def setup(cfg: Config, env: Mapping[str, str] = os.environ) -> RankInfo:
+    """Initialises MindSpore for this process; raises ConfigError if the cluster does not match the config."""
+    import mindspore as ms
+
+    check_process_count(cfg, env)
+    member = is_cluster_member(env)
+    local_world = int(env.get("MS_LOCAL_WORKER_NUM", env.get("MS_WORKER_NUM", "1"))) if member else 1
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_device("CPU" if cfg.train.device == "cpu" else "Ascend")
+    if cfg.train.device == "cpu":
+        ms.device_context.cpu.op_tuning.threads_num(compute_threads(cfg, local_world))
+    ms.set_seed(cfg.train.seed)
+    if not member:
+        return RankInfo(rank=0, world_size=1, local_world_size=1)
+    from mindspore import communication
+
+    communication.init()
+    rank, world = communication.get_rank(), communication.get_group_size()
+    if world != cfg.parallel.world_size:
+        raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} but the cluster has {world} ranks "
+                          "(MS_WORKER_NUM); they must match")
+    ms.set_auto_parallel_context(**parallel.parallel_context(cfg))
+    return RankInfo(rank=rank, world_size=world, local_world_size=local_world)

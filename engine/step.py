@@ -1,0 +1,132 @@
+"""The compiled training step: forward, scaled backward, reduce, unscale, check, clip, update.
+
+Owns: the order of operations inside one optimizer step and the gradient
+accumulation buffers. With one micro-batch per step the whole step is one
+`ms.jit` function; with k > 1 each micro-batch runs a compiled
+forward/backward that adds into fp32 buffers (one graph, reused k times, so
+compile time does not grow with k) and one compiled update finishes the step.
+
+Invariants (DESIGN.md, Numerics):
+- non-finite gradients are never applied, in any precision: the step is
+  skipped, reported, and parameters and optimizer state stay bit-identical;
+- under data parallel, gradients are all-reduced once per optimizer step, and
+  the reported loss and grad norm are global (identical on every rank);
+- the reported grad norm is that of the unscaled, unclipped gradients.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from engine.config import Config
+from engine.loss_scale import LossScaler
+from engine.model import CausalLM
+from engine.optim import AdamW
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    loss: float          # global mean loss, unscaled
+    grad_norm: float     # global norm of the unscaled, unclipped gradients
+    loss_scale: float    # the scale this step ran with
+    skipped: bool        # update not applied (non-finite gradients)
+
+
+class TrainStep(nn.Cell):
+    def __init__(self, net: CausalLM, cfg: Config, *, dp: int = 1):
+        # auto_prefix=False keeps the model's parameter names (Hugging Face's) unprefixed.
+        super().__init__(auto_prefix=False)
+        self.net = net
+        self.params = ParameterTuple(net.trainable_params())
+        self.optimizer = AdamW(self.params, cfg.optim)
+        self.scaler = LossScaler(cfg.train)
+        self.accum_steps = cfg.train.grad_accum_steps
+        self.grad_clip = cfg.optim.grad_clip
+        self.dp = dp
+        self.all_reduce = ops.AllReduce() if dp > 1 else None
+        self.grad_buffers = ParameterTuple(
+            [Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"grad_acc.{p.name}", requires_grad=False)
+             for p in self.params] if self.accum_steps > 1 else [])
+        self.loss_buffer = Parameter(Tensor(0.0, ms.float32), name="grad_acc.loss", requires_grad=False)
+
+        def scaled_loss(tokens, targets, multiplier):
+            loss = self.net(tokens, targets)
+            return loss * multiplier, loss
+
+        # Gradients of (loss × scale × poison) with respect to the parameters; `poison`
+        # is 1 except when a fault drill or test injects a non-finite gradient.
+        self._grad_fn = ms.value_and_grad(scaled_loss, None, self.params, has_aux=True)
+        self._fused = ms.jit(self._fused_step)
+        self._accumulate = ms.jit(self._accumulate_step)
+        self._finish = ms.jit(self._finish_step)
+
+    # Traced pieces ---------------------------------------------------------
+    def _backward(self, tokens, poison):
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        (_, loss), grads = self._grad_fn(inputs, targets, self.scaler.scale * poison)
+        return loss, grads
+
+    def _mean_over_ranks(self, value):
+        if self.all_reduce is None:
+            return value
+        return self.all_reduce(value) / self.dp
+
+    def _apply(self, grads, loss, lr):
+        """grads: summed over this rank's micro-batches, still scaled; loss: summed likewise."""
+        inv = 1.0 / (self.scaler.scale * self.accum_steps)
+        grads = [self._mean_over_ranks(g) * inv for g in grads]
+        loss = self._mean_over_ranks(loss) / self.accum_steps
+        finite = ms.amp.all_finite(grads)
+        sq = [ops.reduce_sum(g * g) for g in grads]
+        grad_norm = ops.sqrt(ops.addn(sq))
+        if self.grad_clip > 0:
+            coef = ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
+            grads = [g * coef for g in grads]
+        scale_used = self.scaler.scale * 1.0
+        done = self.optimizer.update(grads, lr, finite)
+        done = ops.depend(done, self.scaler.adjust(finite))
+        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite)
+
+    def _fused_step(self, tokens, lr, poison):
+        loss, grads = self._backward(tokens, poison)
+        return self._apply(grads, loss, lr)
+
+    def _accumulate_step(self, tokens, poison):
+        loss, grads = self._backward(tokens, poison)
+        done = ops.assign_add(self.loss_buffer, loss)
+        for buf, g in zip(self.grad_buffers, grads):
+            done = ops.depend(done, ops.assign_add(buf, g.astype(ms.float32)))
+        return ops.depend(loss, done)
+
+    def _finish_step(self, lr):
+        grads = [buf * 1.0 for buf in self.grad_buffers]
+        loss = self.loss_buffer * 1.0
+        out = self._apply(grads, loss, lr)
+        done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
+        for buf in self.grad_buffers:
+            done = ops.depend(done, ops.assign(buf, ops.zeros_like(buf)))
+        return ops.depend(out[0], done), out[1], out[2], out[3]
+
+    # Python entry point ----------------------------------------------------
+    def run(self, micro_batches: np.ndarray, lr: float, *, poison: float = 1.0) -> StepResult:
+        """micro_batches: int32 (grad_accum_steps, micro_batch, seq_len + 1) of this rank."""
+        if micro_batches.shape[0] != self.accum_steps:
+            raise ValueError(f"expected {self.accum_steps} micro-batches, got {micro_batches.shape[0]}")
+        lr_t = Tensor(lr, ms.float32)
+        poison_t = Tensor(poison, ms.float32)
+        if self.accum_steps == 1:
+            out = self._fused(Tensor(micro_batches[0]), lr_t, poison_t)
+        else:
+            for micro in micro_batches:
+                self._accumulate(Tensor(micro), poison_t)
+            out = self._finish(lr_t)
+        loss, grad_norm, scale, skipped = (x.asnumpy() for x in out)
+        return StepResult(loss=float(loss), grad_norm=float(grad_norm), loss_scale=float(scale),
+                          skipped=bool(skipped))
+
+    def state(self) -> list[Parameter]:
+        """Everything a checkpoint must hold besides the model's parameters."""
+        return [*self.optimizer.state(), *self.scaler.state()]

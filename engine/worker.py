@@ -1,0 +1,86 @@
+"""The worker: build the model and step, then run the step loop, reporting one JSON event per step.
+
+Owns: the training loop of one rank — which samples each step feeds, the lr
+of each step, and what is reported. `llm-pretrain train` runs it either as a
+complete single-process trainer or as one rank of MindSpore's dynamic cluster
+(the msrun-style environment the supervisor sets).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from typing import Sequence, TextIO
+
+import numpy as np
+
+from daemon.protocol import ExitEvent, StepEvent
+from engine import data, runtime, schedule
+from engine.config import Config
+
+
+class Trainer:
+    """One rank's model, step and data, with the loop that drives them."""
+
+    def __init__(self, cfg: Config, rank_info: runtime.RankInfo, *, generation: int = 0,
+                 overrides: Sequence[schedule.LrOverride] = ()):
+        from engine import parallel
+        from engine.model import CausalLM
+        from engine.step import TrainStep
+
+        self.cfg, self.rank_info, self.generation = cfg, rank_info, generation
+        self.overrides = list(overrides)
+        self.net = CausalLM(cfg.model, seed=cfg.train.seed, compute_dtype=cfg.train.precision,
+                            recompute=cfg.train.recompute)
+        parallel.apply_to_model(self.net, cfg)
+        self.step_fn = TrainStep(self.net, cfg, dp=cfg.parallel.dp)
+        self.source = data.SyntheticSource.from_config(cfg)
+        self.step = 0                      # optimizer steps completed
+
+    def lr(self, step: int) -> tuple[float, float]:
+        o = self.cfg.optim
+        return schedule.lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                              cosine_steps=self.cfg.cosine_steps, overrides=self.overrides)
+
+    def train_step(self, *, poison: float = 1.0) -> StepEvent:
+        """Runs optimizer step number self.step + 1 and returns its event."""
+        t = self.cfg.train
+        started = time.perf_counter()
+        indices = data.rank_sample_indices(self.step, self.rank_info.rank, dp=self.cfg.parallel.dp,
+                                           global_batch=t.global_batch, grad_accum_steps=t.grad_accum_steps)
+        batch = self.source.batch(indices)
+        data_wait_s = time.perf_counter() - started
+        lr, multiplier = self.lr(self.step + 1)
+        result = self.step_fn.run(batch, lr, poison=poison)
+        step_s = time.perf_counter() - started
+        sample_start, sample_end = data.step_sample_range(self.step, t.global_batch)
+        self.step += 1
+        tokens = t.global_batch * self.cfg.data.seq_len
+        return StepEvent(rank=self.rank_info.rank, generation=self.generation, step=self.step,
+                         loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale, lr=lr,
+                         lr_multiplier=multiplier, skipped=result.skipped, sample_start=sample_start,
+                         sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
+                         tokens_per_s=tokens / step_s)
+
+    def params_sha256(self) -> str:
+        digest = hashlib.sha256()
+        for p in self.net.trainable_params():
+            digest.update(p.name.encode())
+            digest.update(np.ascontiguousarray(p.asnumpy()).tobytes())
+        return digest.hexdigest()
+
+
+def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ) -> ExitEvent:
+    """Trains for cfg.train.steps steps, printing one JSON line per logged step and a last exit line."""
+    rank_info = runtime.setup(cfg, env)
+    trainer = Trainer(cfg, rank_info, generation=int(env.get("LLM_PRETRAIN_GENERATION", "0")))
+    interval = cfg.train.log_interval_steps
+    while trainer.step < cfg.train.steps:
+        event = trainer.train_step()
+        if event.step % interval == 0 or event.step == cfg.train.steps:
+            print(event.to_json(), file=out, flush=True)
+    end = ExitEvent(rank=rank_info.rank, generation=trainer.generation, step=trainer.step, reason="finished",
+                    params_sha256=trainer.params_sha256())
+    print(end.to_json(), file=out, flush=True)
+    return end

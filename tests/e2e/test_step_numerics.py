@@ -1,0 +1,99 @@
+"""The compiled step on real MindSpore: it learns, and it never applies a non-finite gradient."""
+import numpy as np
+import pytest
+
+from tests.e2e.conftest import snapshot
+
+INF = float("inf")
+
+
+def test_tiny_config_learns(make_trainer):
+    trainer = make_trainer()
+    losses = [trainer.train_step().loss for _ in range(200)]
+    first, last = np.mean(losses[:10]), np.mean(losses[190:200])
+    print(f"mean loss steps 1-10: {first:.4f}, steps 191-200: {last:.4f} ({1 - last / first:.0%} lower)")
+    assert last <= 0.7 * first
+
+
+def _scaler_keys(state):
+    return {k for k in state if k.startswith("loss_scale")}
+
+
+def test_fp16_injected_inf_skips_update_and_halves_scale(make_trainer):
+    trainer = make_trainer('train.precision="fp16"')
+    for _ in range(3):
+        trainer.train_step()
+    before = snapshot(trainer)
+    scale = float(before["loss_scale"])
+    event = trainer.train_step(poison=INF)
+    after = snapshot(trainer)
+    assert event.skipped and event.loss_scale == scale
+    for name in before.keys() - _scaler_keys(before):
+        assert np.array_equal(before[name], after[name]), f"{name} changed on a skipped step"
+    assert float(after["loss_scale"]) == scale / 2
+    assert int(after["loss_scale_good_steps"]) == 0
+    nxt = trainer.train_step()
+    assert nxt.loss_scale == scale / 2 and not nxt.skipped
+    assert int(snapshot(trainer)["adam_step"]) == int(before["adam_step"]) + 1
+
+
+def test_fp16_trains_with_scaled_loss(make_trainer):
+    trainer = make_trainer('train.precision="fp16"')
+    events = [trainer.train_step() for _ in range(30)]
+    assert sum(not e.skipped for e in events) >= 25
+    assert events[-1].loss < events[0].loss
+
+
+def test_fp32_injected_inf_skips_update_reports_it_and_keeps_scale_one(make_trainer):
+    trainer = make_trainer()
+    trainer.train_step()
+    before = snapshot(trainer)
+    event = trainer.train_step(poison=INF)
+    after = snapshot(trainer)
+    assert event.skipped and event.loss_scale == 1.0 and not np.isfinite(event.grad_norm)
+    for name in before:
+        assert np.array_equal(before[name], after[name]), f"{name} changed on a skipped step"
+    nxt = trainer.train_step()
+    assert not nxt.skipped and nxt.loss_scale == 1.0 and np.isfinite(nxt.grad_norm)
+
+
+def test_recompute_gives_the_same_losses(make_trainer):
+    plain, recomputed = make_trainer(), make_trainer("train.recompute=true")
+    for _ in range(5):
+        a, b = plain.train_step(), recomputed.train_step()
+        assert b.loss == pytest.approx(a.loss, abs=1e-5)
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+
+
+def test_accumulated_micro_batches_match_one_big_batch(make_trainer, mindspore_cpu):
+    """Gradients of k=4 accumulated micro-batches of b=2 equal those of one batch of 8 (rel 1e-5)."""
+    ms = mindspore_cpu
+    k, b = 4, 2
+    accum = make_trainer(f"train.micro_batch={b}", f"train.grad_accum_steps={k}")
+    whole = make_trainer()
+    batch = whole.source.batch(np.arange(k * b).reshape(1, k * b))
+    one = ms.jit(whole.step_fn._backward)
+    _, grads = one(ms.Tensor(batch[0]), ms.Tensor(1.0, ms.float32))
+    for micro in batch.reshape(k, b, -1):
+        accum.step_fn._accumulate(ms.Tensor(micro), ms.Tensor(1.0, ms.float32))
+    for ref, buf in zip(grads, accum.step_fn.grad_buffers):
+        ref, got = ref.asnumpy(), buf.asnumpy() / k
+        assert np.linalg.norm(got - ref) <= 1e-5 * np.linalg.norm(ref), buf.name
+
+
+def test_accumulated_step_matches_single_step(make_trainer):
+    accum = make_trainer("train.micro_batch=2", "train.grad_accum_steps=4")
+    whole = make_trainer()
+    for _ in range(3):
+        a, w = accum.train_step(), whole.train_step()
+        assert a.loss == pytest.approx(w.loss, rel=1e-5)
+        assert a.grad_norm == pytest.approx(w.grad_norm, rel=1e-5)
+        assert (a.sample_start, a.sample_end) == (w.sample_start, w.sample_end)
+
+
+@pytest.mark.parametrize("overrides", [['model.arch="gpt2"'], ["model.tie_embeddings=true"],
+                                       ["model.num_kv_heads=1"]])
+def test_model_variants_learn(make_trainer, overrides):
+    trainer = make_trainer(*overrides)
+    losses = [trainer.train_step().loss for _ in range(40)]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3

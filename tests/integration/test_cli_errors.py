@@ -1,0 +1,58 @@
+"""Bad input reaches the user as one line and a documented exit code, before MindSpore is loaded."""
+import subprocess
+import sys
+
+import pytest
+
+BAD_FILES = {
+    "wrong_type.toml": "[train]\nsteps = \"many\"\n",
+    "unknown_key.toml": "[train]\nstep = 10\n",
+    "unknown_section.toml": "[trainer]\nsteps = 10\n",
+    "out_of_range.toml": "[optim]\nbeta2 = 1.5\n",
+    "bf16_on_cpu.toml": "[train]\nprecision = \"bf16\"\n",
+    "tp_on_cpu.toml": "[parallel]\ntp = 2\n",
+    "pp_on_cpu.toml": "[parallel]\npp = 2\npipeline_microbatches = 2\n",
+    "batch_not_divisible.toml": "[train]\nglobal_batch = 10\nmicro_batch = 4\n",
+    "heads_not_dividing.toml": "[model]\nhidden_size = 100\nnum_heads = 3\n",
+    "seq_too_long.toml": "[data]\nseq_len = 4096\n",
+    "not_toml.toml": "this is = = not toml\n",
+    "section_not_table.toml": "train = 5\n",
+    "dp_without_ranks.toml": "[parallel]\ndp = 2\n[train]\nmicro_batch = 4\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_bad_config_exits_78_with_one_line(tmp_path, cli, quiet_env, name):
+    path = tmp_path / name
+    path.write_text(BAD_FILES[name])
+    proc = subprocess.run([*cli, "train", "--config", str(path)], capture_output=True, text=True,
+                          env=quiet_env, timeout=120)
+    assert proc.returncode == 78, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("llm-pretrain: config error: "), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_bad_override_exits_78(cli, quiet_env):
+    proc = subprocess.run([*cli, "train", "--set", "train.steps=-3"], capture_output=True, text=True,
+                          env=quiet_env, timeout=60)
+    assert proc.returncode == 78 and "train.steps = -3" in proc.stderr
+
+
+def test_missing_config_file_exits_78(tmp_path, cli, quiet_env):
+    proc = subprocess.run([*cli, "train", "--config", str(tmp_path / "absent.toml")], capture_output=True,
+                          text=True, env=quiet_env, timeout=60)
+    assert proc.returncode == 78 and "does not exist" in proc.stderr
+
+
+def test_usage_error_exits_2(cli, quiet_env):
+    proc = subprocess.run([*cli, "trian"], capture_output=True, text=True, env=quiet_env, timeout=60)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_config_command_never_loads_mindspore(quiet_env):
+    code = ("import sys, daemon.cli; rc = daemon.cli.main(['config', '--set', 'train.steps=5']);"
+            "assert 'mindspore' not in sys.modules, 'mindspore was imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=quiet_env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert '"steps": 5' in proc.stdout and '"config_hash"' in proc.stdout

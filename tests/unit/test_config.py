@@ -1,0 +1,147 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from engine.config import Config, ConfigError, config_from_dict, config_hash, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_are_the_shipped_tiny_config():
+    assert load_config(ROOT / "configs" / "tiny.toml") == Config()
+
+
+@pytest.mark.parametrize("name", ["tiny", "small-20m", "llama-7b", "llama-13b"])
+def test_shipped_configs_are_valid(name):
+    cfg = load_config(ROOT / "configs" / f"{name}.toml")
+    assert cfg.run.name == name
+
+
+def test_ascend_presets_use_bf16_recompute_and_model_parallelism():
+    for name in ("llama-7b", "llama-13b"):
+        cfg = load_config(ROOT / "configs" / f"{name}.toml")
+        assert (cfg.train.device, cfg.train.precision, cfg.train.recompute) == ("ascend", "bf16", True)
+        assert cfg.parallel.tp > 1
+    assert load_config(ROOT / "configs" / "llama-13b.toml").parallel.pp == 2
+
+
+BAD = [
+    # (overrides, words the one-line message must contain)
+    (['train.steps="ten"'], ["train.steps", "integer"]),
+    (["train.steps=0"], ["train.steps", ">= 1"]),
+    (["model.foo=1"], ["unknown key model.foo", "hidden_size"]),
+    (["bogus.key=1"], ["unknown section [bogus]"]),
+    (['train.precision="bf16"'], ['train.precision = "bf16"', 'train.device = "ascend"', '"fp32" or "fp16"']),
+    (["parallel.tp=2"], ["parallel.tp", "ascend", "data parallel"]),
+    (["parallel.pp=2"], ["parallel.pp", "ascend"]),
+    (["parallel.optimizer_shard=true"], ["parallel.optimizer_shard", "ascend"]),
+    (["train.global_batch=12"], ["train.global_batch = 12", "micro_batch (8)", "= 8"]),
+    (["parallel.dp=2"], ["train.global_batch = 8", "parallel.dp (2)", "= 16"]),
+    (['train.device="gpu"'], ["train.device", "'cpu'", "'ascend'"]),
+    (["model.num_heads=3"], ["model.hidden_size = 64", "divisible by model.num_heads = 3"]),
+    (["model.num_kv_heads=3"], ["model.num_kv_heads = 3", "divide"]),
+    (["data.seq_len=1024"], ["data.seq_len = 1024", "model.max_seq_len = 256"]),
+    (["optim.lr=-1.0"], ["optim.lr", "range"]),
+    (["optim.min_lr=1.0"], ["optim.min_lr", "range"]),
+    (["train.recompute=1"], ["train.recompute", "boolean"]),
+    (['model.arch="mamba"'], ["model.arch", "'llama'", "'gpt2'"]),
+    (['run.name="../etc"'], ["run.name", "letters"]),
+    (["optim.lr=nan"], ["optim.lr", "finite"]),
+    (["train=3"], ["malformed", "section.key=value"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD, ids=[b[0][0] for b in BAD])
+def test_bad_config_names_key_and_allowed_values(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_ascend_accepts_what_cpu_refuses():
+    cfg = load_config(None, ['train.device="ascend"', 'train.precision="bf16"', "parallel.tp=2",
+                             "parallel.dp=1", "parallel.sequence_parallel=true"])
+    assert cfg.parallel.world_size == 2
+
+
+def test_tp_must_divide_heads():
+    with pytest.raises(ConfigError, match="model.num_kv_heads = 2 must be divisible by parallel.tp = 4"):
+        load_config(None, ['train.device="ascend"', "parallel.tp=4"])
+
+
+def test_pipeline_needs_enough_microbatches():
+    with pytest.raises(ConfigError, match="pipeline_microbatches = 1 must be >= parallel.pp = 2"):
+        load_config(None, ['train.device="ascend"', "parallel.pp=2"])
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("train.steps=50", ("train", "steps", 50)),
+    ("optim.lr=1e-4", ("optim", "lr", 1e-4)),
+    ("train.device=ascend", ("train", "device", "ascend")),          # bare strings need no quotes
+    ('run.name="a b"', ("run", "name", "a b")),
+    ("train.recompute=true", ("train", "recompute", True)),
+])
+def test_override_values_are_read_as_toml(text, expected):
+    assert parse_override(text) == expected
+
+
+def test_int_is_accepted_where_a_number_is_expected():
+    assert load_config(None, ["optim.lr=1"]).optim.lr == 1.0
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_file_then_overrides(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("[train]\nsteps = 7\n[optim]\nlr = 0.01\n")
+    cfg = load_config(f, ["train.steps=9"])
+    assert (cfg.train.steps, cfg.optim.lr, cfg.model) == (9, 0.01, Config().model)
+
+
+@pytest.mark.parametrize("override,changes", [
+    ("train.micro_batch=4", False), ("train.grad_accum_steps=2", False), ("train.recompute=true", False),
+    ("run.name=other", False), ("checkpoint.interval_steps=7", False), ("train.log_interval_steps=5", False),
+    ("model.hidden_size=128", True), ("optim.lr=1e-3", True), ("data.seed=1", True), ("train.seed=9", True),
+    ("model.vocab_size=1024", True), ("data.seq_len=32", True),
+])
+def test_config_hash_covers_exactly_the_trajectory(override, changes):
+    base = load_config(None)
+    extra = [override]
+    if override == "train.micro_batch=4":
+        extra.append("train.grad_accum_steps=2")
+    if override == "train.grad_accum_steps=2":
+        extra.append("train.micro_batch=4")
+    assert (config_hash(load_config(None, extra)) != config_hash(base)) is changes
+
+
+def test_config_round_trips_through_dict():
+    cfg = load_config(None, ["model.tie_embeddings=true"])
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_run_paths_follow_systemd_directories():
+    run = Config().run
+    assert str(run.resolved_dir({})) == "runs/tiny"
+    assert str(run.resolved_log_dir({})) == "runs/tiny/logs"
+    env = {"STATE_DIRECTORY": "/var/lib/llm-pretrain", "LOGS_DIRECTORY": "/var/log/llm-pretrain"}
+    assert str(run.resolved_dir(env)) == "/var/lib/llm-pretrain/tiny"
+    assert str(run.resolved_log_dir(env)) == "/var/log/llm-pretrain/tiny"
+
+
+def test_every_field_is_documented_where_declared():
+    source = (ROOT / "engine" / "config.py").read_text()
+    for section in dataclasses.fields(Config):
+        for field in dataclasses.fields(section.default):
+            line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
+            assert "#" in line, f"{section.name}.{field.name} is undocumented"

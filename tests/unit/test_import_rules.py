@@ -1,0 +1,62 @@
+"""DESIGN.md's import rules, checked on the source: imports flow one way."""
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level module names imported anywhere in the file (module level or inside functions)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _module_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def _files(package: str):
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _files("daemon"), ids=lambda p: p.name)
+def test_daemon_never_imports_mindspore_at_module_level_nor_engine_internals(path):
+    for name in _module_level_imports(path):
+        assert not name.startswith("mindspore"), f"{path.name} imports {name}"
+        assert not name.startswith("engine") or name == "engine.config", f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("path", _files("checkpointing"), ids=lambda p: p.name)
+def test_checkpointing_imports_neither_daemon_nor_engine(path):
+    for name in _imports(path):
+        assert not name.startswith(("daemon", "engine")), f"{path.name} imports {name}"
+
+
+def test_protocol_is_stdlib_only():
+    import sys
+    for name in _imports(ROOT / "daemon" / "protocol.py"):
+        assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
+
+
+@pytest.mark.parametrize("name", ["__init__.py", "config.py", "schedule.py", "data.py", "parallel.py"])
+def test_engine_modules_the_supervisor_may_load_do_not_import_mindspore(name):
+    assert not any(n.startswith("mindspore") for n in _imports(ROOT / "engine" / name))
+
+
+@pytest.mark.parametrize("path", _files("engine"), ids=lambda p: p.name)
+def test_engine_imports_no_daemon_module_but_protocol(path):
+    for name in _imports(path):
+        assert not name.startswith("daemon") or name == "daemon.protocol", f"{path.name} imports {name}"
