@@ -25,6 +25,7 @@ test-fast: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/data_throughput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

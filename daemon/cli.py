@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from typing import Sequence
 
 from daemon.protocol import ExitCode
-from engine.config import ConfigError, config_hash, load_config
+from engine.config import ConfigError, DataError, config_hash, load_config
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train in this process (also the entry point of each rank)")
     _add_config_args(train)
+
+    prep = sub.add_parser("prepare-data", help="tokenize text files into a corpus for training")
+    prep.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
+                      help="a file, directory or glob (.txt, .md, .jsonl, source files), or @stdlib; repeatable")
+    prep.add_argument("--output", required=True, metavar="DIR", help="corpus directory to create")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
+                      help="'byte' (default: UTF-8 bytes + <|endoftext|>) or a Hugging Face tokenizer.json")
+    prep.add_argument("--eos-token", help="end-of-document token of a tokenizer.json (default: detected)")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
+    prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
 
     show = sub.add_parser("config", help="validate a config and print it resolved, with its trajectory hash")
     _add_config_args(show)
@@ -53,7 +66,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-COMMANDS = {"train": _cmd_train, "config": _cmd_config}
+def _cmd_prepare_data(args: argparse.Namespace) -> int:
+    from engine.prepare import prepare
+
+    prepare(args.inputs, args.output, tokenizer=args.tokenizer, eos_token=args.eos_token, workers=args.workers,
+            text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+    return ExitCode.OK
+
+
+COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,9 +84,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"llm-pretrain: config error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
+    except DataError as e:
+        print(f"llm-pretrain: data error: {e}", file=sys.stderr)
+        return ExitCode.DATA_ERROR
     except KeyboardInterrupt:
         print("llm-pretrain: interrupted", file=sys.stderr)
         return 130
+    except Exception:  # the process boundary: anything unforeseen is an internal error, which systemd restarts
+        traceback.print_exc()
+        print("llm-pretrain: internal error (exit 70); the traceback is above", file=sys.stderr)
+        return ExitCode.INTERNAL_ERROR
 
 
 if __name__ == "__main__":

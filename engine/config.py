@@ -21,7 +21,14 @@ from typing import Any
 
 
 class ConfigError(ValueError):
-    """A config that cannot run; the message is one line naming the key and what is allowed."""
+    """A config that cannot run (exit 78); the message is one line naming the key and what is allowed."""
+
+
+class DataError(ValueError):
+    """Bad input data (exit 65); the message is one line naming the file and what is wrong.
+
+    Defined here, beside ConfigError, so the CLI can report it without importing engine internals.
+    """
 
 
 def _fail(msg: str) -> typing.NoReturn:
@@ -86,13 +93,19 @@ class ModelConfig:
 class DataConfig:
     """Where training sequences come from and in which order."""
 
-    source: str = "synthetic"      # "synthetic": a seeded Markov chain (learnable, no files needed)
+    source: str = "prepared"       # "prepared": a corpus from `llm-pretrain prepare-data`; "synthetic": a
+                                   # seeded Markov chain (learnable, no files; for tests)
+    path: str = ""                 # prepared corpus directory; "" = the embedded corpus (this Python's standard
+                                   # library, byte-level), prepared on first use into the cache directory
+    verify_checksums: bool = True  # check every shard's sha256 when a run opens the corpus
     seq_len: int = 64              # tokens per training sequence (each sample holds seq_len + 1)
-    seed: int = 1234               # data order and synthetic chain
+    seed: int = 1234               # data order (and the synthetic chain)
     synthetic_successors: int = 4  # synthetic: distinct next tokens each token can have
+    prefetch_steps: int = 4        # steps' batches the input pipeline prepares ahead in the background
 
     def __post_init__(self) -> None:
-        _choice("data.source", self.source, ("synthetic",))
+        _choice("data.source", self.source, ("prepared", "synthetic"))
+        _at_least("data.prefetch_steps", self.prefetch_steps, 1)
         _at_least("data.seq_len", self.seq_len, 2)
         _at_least("data.seed", self.seed, 0)
         _at_least("data.synthetic_successors", self.synthetic_successors, 1)
@@ -108,7 +121,8 @@ class TrainConfig:
     global_batch: int = 8          # sequences per optimizer step = micro_batch * grad_accum_steps * dp
     micro_batch: int = 8           # sequences per forward/backward on one rank
     grad_accum_steps: int = 1      # micro-batches accumulated per optimizer step
-    recompute: bool = False        # recompute each decoder layer's activations in the backward pass
+    recompute: bool = False        # recompute decoder layers' activations in the backward pass (saves memory)
+    recompute_num_layers: int = 0  # with recompute: how many layers, from the first, recompute; 0 = all
     seed: int = 1234               # parameter init
     compute_threads: int = 0       # intra-op threads per rank; 0 = this machine's cores / local ranks
     loss_scale_init: float = 65536.0     # fp16: initial dynamic loss scale
@@ -124,6 +138,7 @@ class TrainConfig:
             _at_least(f"train.{key}", getattr(self, key), 1)
         _at_least("train.seed", self.seed, 0)
         _at_least("train.compute_threads", self.compute_threads, 0)
+        _at_least("train.recompute_num_layers", self.recompute_num_layers, 0)
         _in_range("train.loss_scale_min", self.loss_scale_min, 0.0, 2.0**24, open_low=True)
         _in_range("train.loss_scale_init", self.loss_scale_init, self.loss_scale_min, 2.0**24)
 
@@ -240,6 +255,13 @@ class Config:
         _check_cross_section(self)
 
     @property
+    def recompute_layers(self) -> int:
+        """How many decoder layers, from the first, recompute their activations (0 = none)."""
+        if not self.train.recompute:
+            return 0
+        return self.train.recompute_num_layers or self.model.num_layers
+
+    @property
     def cosine_steps(self) -> int:
         """The resolved length of the cosine decay."""
         return self.optim.cosine_steps or max(1, self.train.steps - self.optim.warmup_steps)
@@ -250,6 +272,8 @@ class Config:
 
 def _check_cross_section(cfg: Config) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
+    if t.recompute_num_layers > m.num_layers:
+        _fail(f"train.recompute_num_layers = {t.recompute_num_layers} exceeds model.num_layers = {m.num_layers}")
     if cfg.data.seq_len > m.max_seq_len:
         _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.precision == "bf16" and t.device != "ascend":
@@ -371,7 +395,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: typing.Se
 # trajectory: batch geometry below global_batch, parallel layout, recompute, device,
 # how often things are logged or saved, where files go.
 _TRAJECTORY_NEUTRAL = {
-    "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "compute_threads",
+    "data": {"verify_checksums", "prefetch_steps"},
+    "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "recompute_num_layers", "compute_threads",
               "log_interval_steps", "steps"},
     "parallel": "*", "checkpoint": "*", "health": "*", "run": "*",
 }

@@ -1,39 +1,157 @@
-"""Which samples each rank trains on, and the synthetic token source.
+"""Which samples each step and each rank train on, and where the samples' tokens come from.
 
-Owns: the global sample-index layout — step s (0-based) consumes the global
-samples [s·G, (s+1)·G) for global batch G; data-parallel rank r takes the
-contiguous slice [r·G/dp, (r+1)·G/dp) of it, split into grad_accum_steps
-micro-batches in order — and a deterministic, learnable synthetic stream
-(a seeded sparse Markov chain) where sample i is a pure function of (seed, i).
-So any rank, after any restart or with any world size, can produce exactly
-the samples a step needs. No MindSpore here.
+Owns the data position and order — all pure, no MindSpore:
+- A global sample index g names one training sequence; the pipeline state
+  is the cursor (the next g to consume; its epoch is g // samples_per_epoch).
+- Each optimizer step takes the next global_batch indices from the cursor,
+  passing over the skip ranges [a, b) (windows a rollback discarded); every
+  rank computes the same list, and data-parallel rank r trains on its r-th
+  contiguous slice, split into grad_accum_steps micro-batches. So the global
+  order does not depend on the world size, and a restart at any cursor
+  continues exactly.
+- Sample g of a corpus is the (seq_len + 1)-token window starting at token
+  seq_len · perm(g mod S), packed across document boundaries, where perm is a
+  pseudo-random permutation of the S samples of an epoch keyed by (seed,
+  epoch), computed in O(1) memory (a cycle-walking Feistel network), so the
+  order depends only on (seed, epoch) and costs nothing to restore.
 """
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+from typing import Iterable, Sequence
+
 import numpy as np
 
-from engine.config import Config
+from engine.config import Config, DataError
+from engine.corpus import Corpus
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a fast, well-spread 64-bit hash (uint64 arithmetic wraps)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
 
 
-def step_sample_range(step_index: int, global_batch: int) -> tuple[int, int]:
-    """Global sample-index range [a, b) consumed by the 0-based optimizer step `step_index`."""
-    return step_index * global_batch, (step_index + 1) * global_batch
+def permute(positions: np.ndarray, n: int, *, seed: int, epoch: int, rounds: int = 6) -> np.ndarray:
+    """A bijection of [0, n) keyed by (seed, epoch), applied to `positions` (vectorised, O(1) memory)."""
+    if n <= 1:
+        return np.zeros_like(np.asarray(positions, dtype=np.int64))
+    half = max(1, ((n - 1).bit_length() + 1) // 2)           # domain 4^half >= n, < 4n
+    mask = np.uint64((1 << half) - 1)
+    base = ((seed * 1_000_003 + epoch) * 0x9E3779B97F4A7C15) % (1 << 64)
+    with np.errstate(over="ignore"):
+        keys = _mix64(np.arange(rounds, dtype=np.uint64) + np.uint64(base))
+
+    def feistel(x: np.ndarray) -> np.ndarray:
+        left, right = x >> np.uint64(half), x & mask
+        for key in keys:
+            left, right = right, left ^ (_mix64(right ^ key) & mask)
+        return (left << np.uint64(half)) | right
+
+    with np.errstate(over="ignore"):
+        out = feistel(np.asarray(positions, dtype=np.uint64))
+        outside = out >= np.uint64(n)
+        while outside.any():                                     # cycle-walk back into [0, n)
+            out[outside] = feistel(out[outside])
+            outside = out >= np.uint64(n)
+    return out.astype(np.int64)
 
 
-def rank_sample_indices(step_index: int, rank: int, *, dp: int, global_batch: int,
-                        grad_accum_steps: int) -> np.ndarray:
-    """(grad_accum_steps, micro_batch) global sample indices rank `rank` feeds in step `step_index`."""
-    per_rank = global_batch // dp
-    start = step_index * global_batch + rank * per_rank
-    return np.arange(start, start + per_rank, dtype=np.int64).reshape(grad_accum_steps, -1)
+def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping, non-empty [a, b) ranges."""
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted((int(a), int(b)) for a, b in ranges):
+        if a < 0 or b < a:
+            raise ValueError(f"skip range [{a}, {b}) is invalid: needs 0 <= a <= b")
+        if a == b:
+            continue
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def take(cursor: int, count: int, skips: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """The next `count` global indices from `cursor` outside the (merged) skip ranges, and the new cursor."""
+    parts, need, g = [], count, cursor
+    for a, b in skips:
+        if b <= g:
+            continue
+        if a > g:
+            n = min(need, a - g)
+            parts.append(np.arange(g, g + n, dtype=np.int64))
+            need, g = need - n, g + n
+            if need == 0:
+                break
+        g = max(g, b)
+    if need:
+        parts.append(np.arange(g, g + need, dtype=np.int64))
+        g += need
+    return np.concatenate(parts), g
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSamples:
+    """What one optimizer step consumes."""
+
+    indices: np.ndarray   # (global_batch,) global sample indices, all ranks together
+    cursor_after: int     # the data position once this step is done
+
+    @property
+    def sample_range(self) -> tuple[int, int]:
+        """[first, last + 1): the window a rollback would skip (it may enclose skipped indices)."""
+        return int(self.indices[0]), int(self.indices[-1]) + 1
+
+
+def step_samples(cursor: int, *, global_batch: int, skips: Sequence[tuple[int, int]] = ()) -> StepSamples:
+    indices, after = take(cursor, global_batch, skips)
+    return StepSamples(indices=indices, cursor_after=after)
+
+
+def rank_slice(indices: np.ndarray, rank: int, *, dp: int, grad_accum_steps: int) -> np.ndarray:
+    """(grad_accum_steps, micro_batch) indices of rank `rank`: its contiguous share, in micro-batches."""
+    per_rank = indices.size // dp
+    return indices[rank * per_rank:(rank + 1) * per_rank].reshape(grad_accum_steps, -1)
+
+
+class CorpusSource:
+    """Training sequences from a prepared corpus, in the (seed, epoch) order."""
+
+    def __init__(self, corpus: Corpus, *, seq_len: int, seed: int):
+        self.corpus, self.seq_len, self.seed = corpus, seq_len, seed
+        self.samples_per_epoch = (corpus.num_tokens - 1) // seq_len
+        if self.samples_per_epoch < 1:
+            raise DataError(f"corpus {str(corpus.path)!r} has {corpus.num_tokens} tokens, fewer than one "
+                            f"sequence of data.seq_len + 1 = {seq_len + 1}; use a shorter data.seq_len or more data")
+
+    def starts(self, indices: np.ndarray) -> np.ndarray:
+        """First token of each sample."""
+        flat = np.asarray(indices, dtype=np.int64).reshape(-1)
+        epochs, positions = np.divmod(flat, self.samples_per_epoch)
+        out = np.empty_like(flat)
+        for epoch in np.unique(epochs):
+            sel = epochs == epoch
+            out[sel] = permute(positions[sel], self.samples_per_epoch, seed=self.seed, epoch=int(epoch))
+        return out * self.seq_len
+
+    def batch(self, indices: np.ndarray) -> np.ndarray:
+        """int32 indices.shape + (seq_len + 1,)."""
+        width = self.seq_len + 1
+        rows = [self.corpus.tokens(int(s), int(s) + width) for s in self.starts(indices)]
+        return np.stack(rows).astype(np.int32).reshape(*np.shape(indices), width)
 
 
 class SyntheticSource:
     """Sequences from a sparse Markov chain: each token has `successors` possible next tokens.
 
-    Its entropy (a little over ln(successors) nats per token at most) sits far below
-    ln(vocab_size), so a model that learns drives the loss well down from the start.
+    Sample i is a pure function of (seed, i). Its entropy (a little over
+    ln(successors) nats per token at most) sits far below ln(vocab_size), so a
+    model that learns drives the loss well down. For tests that need no files.
     """
+
+    samples_per_epoch = 1 << 62
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, successors: int):
         rng = np.random.default_rng([seed, 0x5EED])
@@ -43,11 +161,6 @@ class SyntheticSource:
         self.cum_weights = np.cumsum(weights, axis=1)
         self.cum_weights[:, -1] = 1.0
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
-
-    @classmethod
-    def from_config(cls, cfg: Config) -> "SyntheticSource":
-        return cls(vocab_size=cfg.model.vocab_size, seq_len=cfg.data.seq_len, seed=cfg.data.seed,
-                   successors=cfg.data.synthetic_successors)
 
     def sample(self, index: int) -> np.ndarray:
         """int32 (seq_len + 1,): tokens and, shifted by one, their targets."""
@@ -62,5 +175,18 @@ class SyntheticSource:
 
     def batch(self, indices: np.ndarray) -> np.ndarray:
         """int32 indices.shape + (seq_len + 1,)."""
-        flat = np.stack([self.sample(i) for i in indices.reshape(-1)])
-        return flat.reshape(*indices.shape, self.seq_len + 1)
+        flat = np.stack([self.sample(i) for i in np.asarray(indices).reshape(-1)])
+        return flat.reshape(*np.shape(indices), self.seq_len + 1)
+
+
+def open_source(cfg: Config, corpus_dir: str | Path | None = None) -> CorpusSource | SyntheticSource:
+    """The config's data source; `corpus_dir` is the resolved corpus for data.source = "prepared"."""
+    d = cfg.data
+    if d.source == "synthetic":
+        return SyntheticSource(vocab_size=cfg.model.vocab_size, seq_len=d.seq_len, seed=d.seed,
+                               successors=d.synthetic_successors)
+    corpus = Corpus(corpus_dir if corpus_dir is not None else d.path, verify_checksums=d.verify_checksums)
+    if corpus.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"corpus {str(corpus.path)!r} has a vocabulary of {corpus.vocab_size} tokens but "
+                        f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least that")
+    return CorpusSource(corpus, seq_len=d.seq_len, seed=d.seed)

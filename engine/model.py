@@ -211,7 +211,8 @@ class DecoderModel(nn.Cell):
 class CausalLM(nn.Cell):
     """tokens (B, T) → mean next-token cross-entropy; `logits` exposes the (B, T, vocab) scores."""
 
-    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute: bool = False):
+
+    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0):
         super().__init__()
         init = _Init(seed, cfg.init_std)
         dtype = DTYPES[compute_dtype]
@@ -221,9 +222,10 @@ class CausalLM(nn.Cell):
                                                               compute_dtype=dtype)
         self.compute_dtype = dtype
         self.tied_matmul = ops.MatMul(transpose_b=True)
-        if recompute:
-            for layer in self.model.layers:
-                layer.recompute()
+        # Recompute (activation checkpointing) per layer, from the first: the backward
+        # pass reruns these layers' forward instead of keeping their activations.
+        for layer in list(self.model.layers)[:recompute_layers]:
+            layer.recompute()
         # Hugging Face names the embedding `model.embed_tokens.weight`; a bare Parameter
         # attribute would be `model.embed_tokens`, so name them explicitly.
         self.model.embed_tokens.name = "model.embed_tokens.weight"

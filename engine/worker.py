@@ -11,20 +11,22 @@ import hashlib
 import os
 import sys
 import time
-from typing import Sequence, TextIO
+from typing import Iterator, Sequence, TextIO
 
 import numpy as np
 
 from daemon.protocol import ExitEvent, StepEvent
 from engine import data, runtime, schedule
 from engine.config import Config
+from engine.feed import FedStep, feed
 
 
 class Trainer:
     """One rank's model, step and data, with the loop that drives them."""
 
     def __init__(self, cfg: Config, rank_info: runtime.RankInfo, *, generation: int = 0,
-                 overrides: Sequence[schedule.LrOverride] = ()):
+                 overrides: Sequence[schedule.LrOverride] = (), skips: Sequence[tuple[int, int]] = (),
+                 source: data.CorpusSource | data.SyntheticSource | None = None):
         from engine import parallel
         from engine.model import CausalLM
         from engine.step import TrainStep
@@ -32,11 +34,14 @@ class Trainer:
         self.cfg, self.rank_info, self.generation = cfg, rank_info, generation
         self.overrides = list(overrides)
         self.net = CausalLM(cfg.model, seed=cfg.train.seed, compute_dtype=cfg.train.precision,
-                            recompute=cfg.train.recompute)
+                            recompute_layers=cfg.recompute_layers)
         parallel.apply_to_model(self.net, cfg)
         self.step_fn = TrainStep(self.net, cfg, dp=cfg.parallel.dp)
-        self.source = data.SyntheticSource.from_config(cfg)
+        self.source = source if source is not None else data.open_source(cfg)
+        self.skips = data.merge_ranges(skips)
         self.step = 0                      # optimizer steps completed
+        self.cursor = 0                    # data position: the next global sample index
+        self._fed: Iterator[FedStep] | None = None
 
     def lr(self, step: int) -> tuple[float, float]:
         o = self.cfg.optim
@@ -47,15 +52,21 @@ class Trainer:
         """Runs optimizer step number self.step + 1 and returns its event."""
         t = self.cfg.train
         started = time.perf_counter()
-        indices = data.rank_sample_indices(self.step, self.rank_info.rank, dp=self.cfg.parallel.dp,
-                                           global_batch=t.global_batch, grad_accum_steps=t.grad_accum_steps)
-        batch = self.source.batch(indices)
+        if self._fed is None:
+            self._fed = feed(self.source, cursor=self.cursor, steps=t.steps - self.step, rank=self.rank_info.rank,
+                             dp=self.cfg.parallel.dp, global_batch=t.global_batch,
+                             grad_accum_steps=t.grad_accum_steps, skips=self.skips,
+                             prefetch_steps=self.cfg.data.prefetch_steps)
+        fed = next(self._fed, None)
+        if fed is None:
+            raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
         data_wait_s = time.perf_counter() - started
         lr, multiplier = self.lr(self.step + 1)
-        result = self.step_fn.run(batch, lr, poison=poison)
+        result = self.step_fn.run(fed.batch, lr, poison=poison)
         step_s = time.perf_counter() - started
-        sample_start, sample_end = data.step_sample_range(self.step, t.global_batch)
+        sample_start, sample_end = fed.sample_start, fed.sample_end
         self.step += 1
+        self.cursor = fed.cursor_after
         tokens = t.global_batch * self.cfg.data.seq_len
         return StepEvent(rank=self.rank_info.rank, generation=self.generation, step=self.step,
                          loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale, lr=lr,
@@ -73,8 +84,14 @@ class Trainer:
 
 def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ) -> ExitEvent:
     """Trains for cfg.train.steps steps, printing one JSON line per logged step and a last exit line."""
+    corpus_dir = None
+    if cfg.data.source == "prepared" and not cfg.data.path:
+        from engine.prepare import ensure_default_corpus
+
+        corpus_dir = str(ensure_default_corpus())
+    source = data.open_source(cfg, corpus_dir)        # bad data fails here, before the cluster forms
     rank_info = runtime.setup(cfg, env)
-    trainer = Trainer(cfg, rank_info, generation=int(env.get("LLM_PRETRAIN_GENERATION", "0")))
+    trainer = Trainer(cfg, rank_info, generation=int(env.get("LLM_PRETRAIN_GENERATION", "0")), source=source)
     interval = cfg.train.log_interval_steps
     while trainer.step < cfg.train.steps:
         event = trainer.train_step()

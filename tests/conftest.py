@@ -27,7 +27,11 @@ def cli() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def quiet_env() -> dict[str, str]:
+def quiet_env(tmp_path_factory) -> dict[str, str]:
+    """The environment for processes under test: quiet MindSpore, and a cache of this session's own
+    (the embedded corpus is prepared there once, never in the user's ~/.cache)."""
     env = dict(os.environ)
     env.setdefault("GLOG_v", "3")   # MindSpore's C++ log level: errors only
+    env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    env.pop("CACHE_DIRECTORY", None)
     return env

@@ -1,6 +1,8 @@
 """Shared pieces of the MindSpore tests: one graph-mode CPU context per test process, trainer builders."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -16,13 +18,25 @@ def mindspore_cpu():
     return ms
 
 
+@pytest.fixture(scope="session")
+def stdlib_corpus(tmp_path_factory) -> str:
+    """The embedded default corpus, prepared once for the whole session."""
+    from engine.prepare import STDLIB, prepare
+
+    out = tmp_path_factory.mktemp("corpus") / "stdlib"
+    prepare([STDLIB], out, log=open(os.devnull, "w"))
+    return str(out)
+
+
 @pytest.fixture
-def make_trainer(mindspore_cpu):
+def make_trainer(mindspore_cpu, stdlib_corpus):
+    """Builds a Trainer on the tiny config (trained on the stdlib corpus) with overrides."""
     from engine.runtime import RankInfo
     from engine.worker import Trainer
 
-    def build(*overrides: str) -> Trainer:
-        return Trainer(load_config(None, list(overrides)), RankInfo(rank=0, world_size=1, local_world_size=1))
+    def build(*overrides: str, **kwargs) -> Trainer:
+        cfg = load_config(None, [f'data.path="{stdlib_corpus}"', *overrides])
+        return Trainer(cfg, RankInfo(rank=0, world_size=1, local_world_size=1), **kwargs)
 
     return build
 

@@ -38,12 +38,12 @@ def _run_cluster(cli, env, workdir, overrides, ranks=2):
     return [_lines(o) for o in outs]
 
 
-def test_two_ranks_stay_identical_and_match_one_process(cli, quiet_env, tmp_path):
+def test_two_ranks_stay_identical_and_match_one_process(cli, quiet_env, tmp_path, stdlib_corpus):
     env = quiet_env
-    ranks = _run_cluster(cli, env, tmp_path,
-                         [f"train.steps={STEPS}", "parallel.dp=2", "train.micro_batch=4"])
-    single = subprocess.run([*cli, "train", "--set", f"train.steps={STEPS}"], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    data = f'data.path="{stdlib_corpus}"'
+    ranks = _run_cluster(cli, env, tmp_path, [data, f"train.steps={STEPS}", "parallel.dp=2", "train.micro_batch=4"])
+    single = subprocess.run([*cli, "train", "--set", data, "--set", f"train.steps={STEPS}"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-2000:]
     alone = _lines(single.stdout)
 

@@ -57,8 +57,12 @@ def test_fp32_injected_inf_skips_update_reports_it_and_keeps_scale_one(make_trai
     assert not nxt.skipped and nxt.loss_scale == 1.0 and np.isfinite(nxt.grad_norm)
 
 
-def test_recompute_gives_the_same_losses(make_trainer):
-    plain, recomputed = make_trainer(), make_trainer("train.recompute=true")
+@pytest.mark.parametrize("layers", [0, 1])   # 0 = every layer
+def test_recompute_gives_the_same_losses(make_trainer, layers):
+    plain = make_trainer()
+    recomputed = make_trainer("train.recompute=true", f"train.recompute_num_layers={layers}")
+    flags = [getattr(l, "_recompute_cell", None) is not None for l in recomputed.net.model.layers]
+    assert flags == ([True, True] if layers == 0 else [True, False])
     for _ in range(5):
         a, b = plain.train_step(), recomputed.train_step()
         assert b.loss == pytest.approx(a.loss, abs=1e-5)

@@ -49,7 +49,16 @@ BAD = [
     (['run.name="../etc"'], ["run.name", "letters"]),
     (["optim.lr=nan"], ["optim.lr", "finite"]),
     (["train=3"], ["malformed", "section.key=value"]),
+    (["train.recompute_num_layers=3"], ["train.recompute_num_layers = 3", "model.num_layers = 2"]),
 ]
+
+
+@pytest.mark.parametrize("overrides,layers", [
+    ([], 0), (["train.recompute=true"], 2), (["train.recompute=true", "train.recompute_num_layers=1"], 1),
+    (["train.recompute_num_layers=1"], 0),
+])
+def test_recompute_layers(overrides, layers):
+    assert load_config(None, overrides).recompute_layers == layers
 
 
 @pytest.mark.parametrize("overrides,words", BAD, ids=[b[0][0] for b in BAD])

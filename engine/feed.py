@@ -1,0 +1,59 @@
+"""Feeding a rank's batches to the step through `mindspore.dataset`, prepared ahead in the background.
+
+Owns: the iterator that turns (source, cursor, skip ranges, rank layout) into
+one (grad_accum_steps, micro_batch, seq_len + 1) int32 batch per step, with
+the step's sample range and the cursor after it. The plan itself is
+engine.data's (pure); this module only runs it in MindSpore's pipeline so
+batches are ready before the step asks for them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import mindspore.dataset as msds
+import numpy as np
+
+from engine import data
+
+
+@dataclasses.dataclass(frozen=True)
+class FedStep:
+    batch: np.ndarray          # (grad_accum_steps, micro_batch, seq_len + 1) int32, this rank's
+    sample_start: int          # the global sample range [start, end) of the whole step
+    sample_end: int
+    cursor_after: int          # data position after this step
+
+
+class _RankBatches:
+    """The generator MindSpore's pipeline pulls from: `steps` consecutive steps from `cursor`."""
+
+    def __init__(self, source, *, cursor: int, steps: int, rank: int, dp: int, global_batch: int,
+                 grad_accum_steps: int, skips: Sequence[tuple[int, int]]):
+        self.source, self.cursor, self.steps = source, cursor, steps
+        self.rank, self.dp, self.global_batch, self.accum = rank, dp, global_batch, grad_accum_steps
+        self.skips = data.merge_ranges(skips)
+
+    def __iter__(self):
+        cursor = self.cursor
+        for _ in range(self.steps):
+            samples = data.step_samples(cursor, global_batch=self.global_batch, skips=self.skips)
+            mine = data.rank_slice(samples.indices, self.rank, dp=self.dp, grad_accum_steps=self.accum)
+            start, end = samples.sample_range
+            cursor = samples.cursor_after
+            yield self.source.batch(mine), np.array([start, end, cursor], dtype=np.int64)
+
+
+def feed(source, *, cursor: int, steps: int, rank: int, dp: int, global_batch: int, grad_accum_steps: int,
+         skips: Sequence[tuple[int, int]] = (), prefetch_steps: int = 4) -> Iterator[FedStep]:
+    """Yields `steps` FedSteps; batches are produced in MindSpore's pipeline threads, ahead of use."""
+    if steps <= 0:
+        return
+    msds.config.set_prefetch_size(prefetch_steps)
+    plan = _RankBatches(source, cursor=cursor, steps=steps, rank=rank, dp=dp, global_batch=global_batch,
+                        grad_accum_steps=grad_accum_steps, skips=skips)
+    dataset = msds.GeneratorDataset(plan, column_names=["tokens", "position"], shuffle=False,
+                                    num_parallel_workers=1, python_multiprocessing=False)
+    for tokens, position in dataset.create_tuple_iterator(num_epochs=1, output_numpy=True, do_copy=False):
+        yield FedStep(batch=tokens, sample_start=int(position[0]), sample_end=int(position[1]),
+                      cursor_after=int(position[2]))
