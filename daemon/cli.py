@@ -13,6 +13,7 @@ import sys
 import traceback
 from typing import Sequence
 
+from checkpointing import CheckpointError
 from daemon.protocol import ExitCode
 from engine.config import ConfigError, DataError, config_hash, load_config
 
@@ -31,6 +32,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train in this process (also the entry point of each rank)")
     _add_config_args(train)
+    train.add_argument("--until-step", type=int, metavar="N",
+                       help="checkpoint and stop after step N (resume later with the same command)")
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="resume even if trajectory-defining config keys differ from the checkpoint's")
+
+    ckpts = sub.add_parser("checkpoints", help="list, show or verify a run's checkpoints")
+    ckpts.add_argument("action", choices=("list", "show", "verify"))
+    ckpts.add_argument("run", metavar="RUN", help="a run directory, or a run name (./runs/NAME or "
+                                                  "$STATE_DIRECTORY/NAME)")
+    ckpts.add_argument("--step", type=int, help="show/verify this step (default: the newest; verify: all)")
+    ckpts.add_argument("--json", action="store_true", help="machine-readable output")
 
     prep = sub.add_parser("prepare-data", help="tokenize text files into a corpus for training")
     prep.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
@@ -60,10 +72,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from engine import runtime
 
     runtime.check_process_count(cfg)
+    if args.until_step is not None and args.until_step < 1:
+        raise ConfigError(f"--until-step = {args.until_step} must be >= 1")
     from engine import worker
 
-    worker.train(cfg)
+    try:
+        worker.train(cfg, until_step=args.until_step, allow_config_change=args.allow_config_change)
+    except worker.CheckpointSaveError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.INTERNAL_ERROR
     return ExitCode.OK
+
+
+def _cmd_checkpoints(args: argparse.Namespace) -> int:
+    from daemon import checkpoints_cli
+
+    return checkpoints_cli.run(args.action, args.run, step=args.step, as_json=args.json)
 
 
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
@@ -74,7 +98,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data}
+COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
+            "checkpoints": _cmd_checkpoints}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"llm-pretrain: config error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR
+    except CheckpointError as e:
+        print(f"llm-pretrain: checkpoint error: {e}", file=sys.stderr)
+        return ExitCode.DATA_ERROR
     except DataError as e:
         print(f"llm-pretrain: data error: {e}", file=sys.stderr)
         return ExitCode.DATA_ERROR

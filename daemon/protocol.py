@@ -87,7 +87,22 @@ class ExitEvent(_Event):
     kind: str = "exit"
 
 
-EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointEvent(_Event):
+    """A checkpoint's progress: staged (host copy done; the step resumes), written (this rank's shard
+    is durable), committed (the checkpoint exists), restored, waited (a save had to wait for the
+    previous one), exists, retired (old ones deleted), quarantined, failed."""
+
+    rank: int
+    generation: int
+    step: int
+    stage: str
+    seconds: float = 0.0
+    detail: str = ""          # error text, quarantine reasons, deleted steps
+    kind: str = "checkpoint"
+
+
+EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent}
 
 
 def decode_event(line: str | bytes) -> _Event:

@@ -27,12 +27,16 @@ from engine.model import CausalLM
 from engine.optim import AdamW
 
 
+CONTROL_SLOTS = 1   # see engine.worker.Control for what each slot means
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     loss: float          # global mean loss, unscaled
     grad_norm: float     # global norm of the unscaled, unclipped gradients
     loss_scale: float    # the scale this step ran with
     skipped: bool        # update not applied (non-finite gradients)
+    control: tuple[int, ...] = ()   # the control vector, summed over ranks (engine.worker.Control)
 
 
 class TrainStep(nn.Cell):
@@ -47,6 +51,9 @@ class TrainStep(nn.Cell):
         self.grad_clip = cfg.optim.grad_clip
         self.dp = dp
         self.all_reduce = ops.AllReduce() if dp > 1 else None
+        # Control flags ride along with the step's own collectives: every rank learns,
+        # after the same step, what any rank asked for (a stop signal, a command).
+        # Summed, because CPU AllReduce does only sums: a flag set anywhere sums to > 0.
         self.grad_buffers = ParameterTuple(
             [Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"grad_acc.{p.name}", requires_grad=False)
              for p in self.params] if self.accum_steps > 1 else [])
@@ -74,7 +81,7 @@ class TrainStep(nn.Cell):
             return value
         return self.all_reduce(value) / self.dp
 
-    def _apply(self, grads, loss, lr):
+    def _apply(self, grads, loss, lr, control):
         """grads: summed over this rank's micro-batches, still scaled; loss: summed likewise."""
         inv = 1.0 / (self.scaler.scale * self.accum_steps)
         grads = [self._mean_over_ranks(g) * inv for g in grads]
@@ -88,11 +95,14 @@ class TrainStep(nn.Cell):
         scale_used = self.scaler.scale * 1.0
         done = self.optimizer.update(grads, lr, finite)
         done = ops.depend(done, self.scaler.adjust(finite))
-        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite)
+        # CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24.
+        agreed = control if self.all_reduce is None else \
+            self.all_reduce(control.astype(ms.float32)).astype(ms.int32)
+        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
 
-    def _fused_step(self, tokens, lr, poison):
+    def _fused_step(self, tokens, lr, poison, control):
         loss, grads = self._backward(tokens, poison)
-        return self._apply(grads, loss, lr)
+        return self._apply(grads, loss, lr, control)
 
     def _accumulate_step(self, tokens, poison):
         loss, grads = self._backward(tokens, poison)
@@ -101,31 +111,34 @@ class TrainStep(nn.Cell):
             done = ops.depend(done, ops.assign_add(buf, g.astype(ms.float32)))
         return ops.depend(loss, done)
 
-    def _finish_step(self, lr):
+    def _finish_step(self, lr, control):
         grads = [buf * 1.0 for buf in self.grad_buffers]
         loss = self.loss_buffer * 1.0
-        out = self._apply(grads, loss, lr)
+        out = self._apply(grads, loss, lr, control)
         done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
         for buf in self.grad_buffers:
             done = ops.depend(done, ops.assign(buf, ops.zeros_like(buf)))
-        return ops.depend(out[0], done), out[1], out[2], out[3]
+        return ops.depend(out[0], done), out[1], out[2], out[3], out[4]
 
     # Python entry point ----------------------------------------------------
-    def run(self, micro_batches: np.ndarray, lr: float, *, poison: float = 1.0) -> StepResult:
-        """micro_batches: int32 (grad_accum_steps, micro_batch, seq_len + 1) of this rank."""
+    def run(self, micro_batches: np.ndarray, lr: float, *, poison: float = 1.0,
+            control: np.ndarray | None = None) -> StepResult:
+        """micro_batches: int32 (grad_accum_steps, micro_batch, seq_len + 1) of this rank;
+        control: int32 flags of this rank, returned summed over all ranks."""
         if micro_batches.shape[0] != self.accum_steps:
             raise ValueError(f"expected {self.accum_steps} micro-batches, got {micro_batches.shape[0]}")
         lr_t = Tensor(lr, ms.float32)
         poison_t = Tensor(poison, ms.float32)
+        control_t = Tensor(np.zeros(CONTROL_SLOTS, np.int32) if control is None else control.astype(np.int32))
         if self.accum_steps == 1:
-            out = self._fused(Tensor(micro_batches[0]), lr_t, poison_t)
+            out = self._fused(Tensor(micro_batches[0]), lr_t, poison_t, control_t)
         else:
             for micro in micro_batches:
                 self._accumulate(Tensor(micro), poison_t)
-            out = self._finish(lr_t)
-        loss, grad_norm, scale, skipped = (x.asnumpy() for x in out)
+            out = self._finish(lr_t, control_t)
+        loss, grad_norm, scale, skipped, agreed = (x.asnumpy() for x in out)
         return StepResult(loss=float(loss), grad_norm=float(grad_norm), loss_scale=float(scale),
-                          skipped=bool(skipped))
+                          skipped=bool(skipped), control=tuple(int(v) for v in agreed))
 
     def state(self) -> list[Parameter]:
         """Everything a checkpoint must hold besides the model's parameters."""

@@ -7,8 +7,10 @@ complete single-process trainer or as one rank of MindSpore's dynamic cluster
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 import os
+import signal
 import sys
 import time
 from typing import Iterator, Sequence, TextIO
@@ -18,6 +20,7 @@ import numpy as np
 from daemon.protocol import ExitEvent, StepEvent
 from engine import data, runtime, schedule
 from engine.config import Config
+from engine.events import EventSink
 from engine.feed import FedStep, feed
 
 
@@ -42,14 +45,20 @@ class Trainer:
         self.step = 0                      # optimizer steps completed
         self.cursor = 0                    # data position: the next global sample index
         self._fed: Iterator[FedStep] | None = None
+        self.agreed_control: tuple[int, ...] = ()
 
     def lr(self, step: int) -> tuple[float, float]:
         o = self.cfg.optim
         return schedule.lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
                               cosine_steps=self.cfg.cosine_steps, overrides=self.overrides)
 
-    def train_step(self, *, poison: float = 1.0) -> StepEvent:
-        """Runs optimizer step number self.step + 1 and returns its event."""
+    def set_skips(self, skips: Sequence[tuple[int, int]]) -> None:
+        self.skips = data.merge_ranges(skips)
+        self._fed = None
+
+    def train_step(self, *, poison: float = 1.0, control: np.ndarray | None = None) -> StepEvent:
+        """Runs optimizer step number self.step + 1 and returns its event; `agreed_control` then holds
+        the control vector summed over the ranks."""
         t = self.cfg.train
         started = time.perf_counter()
         if self._fed is None:
@@ -62,11 +71,12 @@ class Trainer:
             raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
         data_wait_s = time.perf_counter() - started
         lr, multiplier = self.lr(self.step + 1)
-        result = self.step_fn.run(fed.batch, lr, poison=poison)
+        result = self.step_fn.run(fed.batch, lr, poison=poison, control=control)
         step_s = time.perf_counter() - started
         sample_start, sample_end = fed.sample_start, fed.sample_end
         self.step += 1
         self.cursor = fed.cursor_after
+        self.agreed_control = result.control
         tokens = t.global_batch * self.cfg.data.seq_len
         return StepEvent(rank=self.rank_info.rank, generation=self.generation, step=self.step,
                          loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale, lr=lr,
@@ -82,22 +92,78 @@ class Trainer:
         return digest.hexdigest()
 
 
-def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ) -> ExitEvent:
-    """Trains for cfg.train.steps steps, printing one JSON line per logged step and a last exit line."""
+class Control(enum.IntEnum):
+    """Slots of the control vector each step sums over ranks (engine.step.CONTROL_SLOTS): a flag any
+    rank sets sums to > 0 on every rank after the same step."""
+
+    STOP = 0          # 1 once this rank got SIGTERM/SIGINT: every rank checkpoints and stops after that step
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT set a flag the loop feeds into the next step; a second one exits at once."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            os._exit(128 + signum)
+        self.requested = True
+
+
+def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: int | None = None,
+          allow_config_change: bool = False) -> ExitEvent:
+    """Resumes from the run's newest checkpoint, trains to cfg.train.steps (or `until_step`), saving
+    every checkpoint.interval_steps, on SIGTERM/SIGINT, and at the end. Prints one JSON line per logged
+    step and checkpoint event, and a last exit line; raises CheckpointSaveError if the last save fails."""
     corpus_dir = None
     if cfg.data.source == "prepared" and not cfg.data.path:
         from engine.prepare import ensure_default_corpus
 
         corpus_dir = str(ensure_default_corpus())
     source = data.open_source(cfg, corpus_dir)        # bad data fails here, before the cluster forms
+    stop = _StopSignal()
     rank_info = runtime.setup(cfg, env)
+    sink = EventSink(out)
     trainer = Trainer(cfg, rank_info, generation=int(env.get("LLM_PRETRAIN_GENERATION", "0")), source=source)
-    interval = cfg.train.log_interval_steps
-    while trainer.step < cfg.train.steps:
-        event = trainer.train_step()
-        if event.step % interval == 0 or event.step == cfg.train.steps:
-            print(event.to_json(), file=out, flush=True)
-    end = ExitEvent(rank=rank_info.rank, generation=trainer.generation, step=trainer.step, reason="finished",
+    from engine.checkpoint import TrainerCheckpoints
+
+    ckpt = TrainerCheckpoints(trainer, cfg, cfg.run.resolved_dir(env) / "checkpoints", emit=sink.emit)
+    ckpt.restore_latest(allow_config_change=allow_config_change)
+    last = min(cfg.train.steps, until_step) if until_step is not None else cfg.train.steps
+    interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
+    saved_step = trainer.step if trainer.step > 0 else None
+    reason = "finished"
+    event = None
+    while trainer.step < last:
+        control = np.zeros(len(Control), np.int32)
+        control[Control.STOP] = int(stop.requested)
+        event = trainer.train_step(control=control)
+        agreed = trainer.agreed_control
+        if event.step % every == 0 or event.step == last:
+            sink.emit(event)
+        stopping = agreed[Control.STOP] > 0
+        if stopping or event.step == last or (interval and event.step % interval == 0):
+            ckpt.save({"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr,
+                       "loss_scale": event.loss_scale})
+            saved_step = event.step
+        if stopping:
+            reason = "stopped"
+            break
+    if reason == "finished" and last < cfg.train.steps:
+        reason = "until_step"
+    if saved_step != trainer.step and trainer.step > 0:
+        ckpt.save({} if event is None else {"loss": event.loss})
+    ok = ckpt.wait()
+    end = ExitEvent(rank=rank_info.rank, generation=trainer.generation, step=trainer.step, reason=reason,
                     params_sha256=trainer.params_sha256())
-    print(end.to_json(), file=out, flush=True)
+    sink.emit(end)
+    if not ok:
+        raise CheckpointSaveError(f"the checkpoint of step {trainer.step} could not be saved: {ckpt.writer.last_error}")
     return end
+
+
+class CheckpointSaveError(RuntimeError):
+    """The last checkpoint of a run failed: its work since the previous checkpoint is not on disk."""

@@ -72,7 +72,7 @@ def _corrupt(corpus_dir, tmp_path):
 def test_train_refuses_a_tampered_corpus_with_exit_65(cli, quiet_env, stdlib_corpus, tmp_path):
     bad = _corrupt(stdlib_corpus, tmp_path)
     proc = subprocess.run([*cli, "train", "--set", f'data.path="{bad}"', "--set", "train.steps=2"],
-                          capture_output=True, text=True, env=quiet_env, timeout=300)
+                          capture_output=True, text=True, env=quiet_env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 65, proc.stderr[-2000:]
     assert "tokens-00000.bin" in proc.stderr and "sha256" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -83,5 +83,5 @@ def test_train_refuses_a_sequence_longer_than_the_corpus(cli, quiet_env, tmp_pat
                            str(tmp_path / "c")], capture_output=True, text=True, env=quiet_env, timeout=120)
     assert prep.returncode == 0, prep.stderr
     proc = subprocess.run([*cli, "train", "--set", f'data.path="{tmp_path / "c"}"'], capture_output=True,
-                          text=True, env=quiet_env, timeout=300)
+                          text=True, env=quiet_env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 65 and "fewer than one sequence" in proc.stderr, proc.stderr[-2000:]

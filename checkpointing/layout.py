@@ -1,0 +1,96 @@
+"""Names and paths inside a checkpoint root; fsync helpers.
+
+    <root>/step-00001200/manifest.json
+    <root>/step-00001200/shard-00000-of-00002.safetensors
+    <root>/step-00001250.tmp/        being written: never loaded, removed at start
+    <root>/step-00001100.corrupt/    failed verification: kept for a person to look at
+    <root>/step-00001000.deleting/   retired by retention, being deleted: removed at start
+    <root>/LATEST                    a hint ("step-00001200"), written atomically after commit
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "LATEST"
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / step_name(step)
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f"{step_name(step)}.tmp"
+
+
+def shard_name(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def marker_name(rank: int, world: int) -> str:
+    """Written by each rank once its shard is durable; the committer collects them."""
+    return f"shard-{rank:05d}-of-{world:05d}.done.json"
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a committed directory, ascending (a directory scan: the truth LATEST only hints at)."""
+    if not root.is_dir():
+        return []
+    steps = [parse_step(p.name) for p in root.iterdir() if p.is_dir()]
+    return sorted(s for s in steps if s is not None)
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write to a temporary name, fsync, rename over `path`, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
+
+
+def retire(root: Path, step: int) -> None:
+    """Deletes a committed checkpoint so that a crash midway never leaves a partial `step-N/`:
+    it stops being a checkpoint at the rename, before any file goes."""
+    doomed = root / f"{step_name(step)}.deleting"
+    try:
+        os.rename(step_dir(root, step), doomed)
+    except FileNotFoundError:
+        return
+    fsync_path(root)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def remove_temporaries(root: Path) -> list[str]:
+    """Deletes in-progress and half-deleted directories a crash left behind; returns their names."""
+    removed = []
+    if root.is_dir():
+        for p in sorted([*root.glob("step-*.tmp"), *root.glob("step-*.deleting")]):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+        for p in root.glob(f".{LATEST}.tmp-*"):
+            p.unlink(missing_ok=True)
+    return removed

@@ -1,0 +1,121 @@
+"""Finding, verifying and loading committed checkpoints; quarantining the ones that fail.
+
+A checkpoint is trusted only after verification: the manifest parses, every
+shard exists with the recorded size and sha256, and every tensor the manifest
+names is in its shard with the recorded shape and dtype. One that fails is
+renamed `step-N.corrupt` (kept for a person to inspect) and the previous one
+is used. `LATEST` is only a hint; the directory scan is the truth.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+from checkpointing import CheckpointError, layout
+from checkpointing.writer import FORMAT, VERSION
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((path / layout.MANIFEST).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: {layout.MANIFEST} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: {layout.MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an llm-pretrain checkpoint manifest")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: format version {manifest.get('version')!r}, this build reads {VERSION}")
+    return manifest
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify(path: Path) -> list[str]:
+    """Every problem found with a committed checkpoint (empty: it is complete and intact)."""
+    try:
+        manifest = read_manifest(path)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    for shard in manifest["shards"]:
+        file = path / shard["file"]
+        if not file.is_file():
+            problems.append(f"{file.name}: missing")
+            continue
+        if file.stat().st_size != shard["size_bytes"]:
+            problems.append(f"{file.name}: {file.stat().st_size} bytes, manifest says {shard['size_bytes']}")
+            continue
+        if _sha256(file) != shard["sha256"]:
+            problems.append(f"{file.name}: sha256 mismatch (corrupt)")
+            continue
+        with safe_open(file, framework="numpy") as f:
+            present = set(f.keys())
+            for name, meta in manifest["tensors"].items():
+                if meta["shard"] != shard["file"]:
+                    continue
+                if name not in present:
+                    problems.append(f"{file.name}: tensor {name!r} missing")
+                elif list(f.get_slice(name).get_shape()) != meta["shape"]:
+                    problems.append(f"{file.name}: tensor {name!r} has the wrong shape")
+    return problems
+
+
+def load_tensors(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+    """All tensors of a (verified) checkpoint, by name."""
+    manifest = manifest or read_manifest(path)
+    out: dict[str, np.ndarray] = {}
+    for shard in manifest["shards"]:
+        out.update(load_file(path / shard["file"]))
+    missing = set(manifest["tensors"]) - set(out)
+    if missing:
+        raise CheckpointError(f"{path}: tensors missing from the shards: {sorted(missing)[:5]}")
+    return out
+
+
+def quarantine(path: Path) -> Path | None:
+    """Renames a failed checkpoint out of the way; None if another process already did."""
+    target = path.with_name(f"{path.name}.corrupt")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.corrupt-{n}")
+    try:
+        os.rename(path, target)
+    except FileNotFoundError:
+        return None
+    layout.fsync_path(path.parent)
+    return target
+
+
+def find_latest(root: Path, *, before_step: int | None = None,
+                on_quarantine: Callable[[Path, list[str]], None] | None = None,
+                quarantine_failed: bool = True) -> tuple[Path, dict[str, Any]] | None:
+    """The newest committed checkpoint (below `before_step` if given) that verifies.
+
+    Ones that fail are quarantined (if `quarantine_failed`) and reported through
+    `on_quarantine`; the search goes on with the next older one.
+    """
+    for step in reversed(layout.committed_steps(root)):
+        if before_step is not None and step >= before_step:
+            continue
+        path = layout.step_dir(root, step)
+        problems = verify(path)
+        if not problems:
+            return path, read_manifest(path)
+        if quarantine_failed and quarantine(path) is not None and on_quarantine is not None:
+            on_quarantine(path, problems)
+    return None

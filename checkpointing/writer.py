@@ -1,0 +1,158 @@
+"""Writing one rank's shard in the background, and the commit that makes a checkpoint exist.
+
+Protocol, on a filesystem every rank sees (no collective needed):
+1. every rank writes its shard into `step-N.tmp/`, fsyncs it, then writes and
+   fsyncs a small marker (`shard-R-of-W.done.json`: file, sha256, tensors);
+2. rank 0, once all W markers are there, writes `manifest.json` (tensor →
+   shard, shapes, dtypes, sha256 per shard, step, world size, run state),
+   fsyncs it, renames `step-N.tmp/` to `step-N/`, fsyncs the parent, then
+   updates `LATEST` atomically and applies retention.
+A crash at any moment leaves either the previous checkpoints or the new one
+complete; `*.tmp` directories are never loaded and are removed at the next start.
+
+The caller blocks only while it copies its tensors to host memory; the thread
+here serialises, hashes and fsyncs at the lowest CPU priority, so it takes
+cycles the training step leaves idle. A save due while this rank's previous one
+is still being written waits for it (reported as "waited"), never doubles up.
+Errors never propagate into training: they are reported as "failed" events
+and kept in `last_error`.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+from safetensors.numpy import save as safetensors_bytes
+
+from checkpointing import CheckpointError, layout, retention
+
+FORMAT = "llm-pretrain-checkpoint"
+VERSION = 1
+
+Emit = Callable[..., None]   # emit(stage, step=..., seconds=..., error=...)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ShardWriter:
+    def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
+                 keep_last: int = 3, keep_every: int = 0, protected: Callable[[], set[int]] = set,
+                 commit_timeout_s: float = 300.0, low_priority: bool = True):
+        self.root = Path(root)
+        self.rank, self.world = rank, world
+        self.emit = emit or (lambda stage, **info: None)
+        self.keep_last, self.keep_every, self.protected = keep_last, keep_every, protected
+        self.commit_timeout_s = commit_timeout_s
+        self.low_priority = low_priority
+        self.last_error: BaseException | None = None
+        self.last_committed: int | None = None
+        self._thread: threading.Thread | None = None
+
+    def save(self, step: int, tensors: Mapping[str, np.ndarray], *, run_state: dict[str, Any] | None = None,
+             versions: dict[str, str] | None = None) -> None:
+        """Starts writing this rank's `tensors` (already host copies) for `step`; returns at once."""
+        if self.rank == 0 and run_state is None:
+            raise ValueError("rank 0 commits the checkpoint and must pass run_state")
+        if self._thread is not None and self._thread.is_alive():
+            started = time.monotonic()
+            self._thread.join()
+            self.emit("waited", step=step, seconds=time.monotonic() - started)
+        self._thread = threading.Thread(target=self._write, name=f"checkpoint-{step}", daemon=True,
+                                        args=(step, dict(tensors), run_state, versions or {}))
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until the save in flight is done; True if none is left running."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True
+
+    # The background thread -------------------------------------------------
+    def _write(self, step: int, tensors: dict[str, np.ndarray], run_state: dict[str, Any] | None,
+               versions: dict[str, str]) -> None:
+        started = time.monotonic()
+        tmp = layout.tmp_dir(self.root, step)
+        try:
+            if self.low_priority:
+                try:
+                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+                except OSError:
+                    pass
+            if layout.step_dir(self.root, step).exists():
+                self.emit("exists", step=step, seconds=0.0)
+                return
+            tmp.mkdir(parents=True, exist_ok=True)
+            shard = layout.shard_name(self.rank, self.world)
+            blob = safetensors_bytes(tensors, metadata={"step": str(step), "rank": str(self.rank)})
+            _write_durably(tmp / shard, blob)
+            marker = {"file": shard, "sha256": hashlib.sha256(blob).hexdigest(), "size_bytes": len(blob),
+                      "tensors": {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}}
+            del blob
+            _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
+            layout.fsync_path(tmp)
+            self.emit("written", step=step, seconds=time.monotonic() - started)
+            if self.rank == 0:
+                self._commit(step, tmp, run_state or {}, versions, started)
+        except BaseException as e:   # a thread boundary: report, never kill training
+            self.last_error = e
+            self.emit("failed", step=step, seconds=time.monotonic() - started, error=f"{type(e).__name__}: {e}")
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:   # tell the committer at once rather than let it wait out its timeout
+                try:
+                    marker = tmp / layout.marker_name(self.rank, self.world)
+                    _write_durably(marker, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                except OSError:
+                    pass
+
+    def _commit(self, step: int, tmp: Path, run_state: dict[str, Any], versions: dict[str, str],
+                started: float) -> None:
+        markers = [tmp / layout.marker_name(r, self.world) for r in range(self.world)]
+        deadline = time.monotonic() + self.commit_timeout_s
+        while not all(m.exists() for m in markers):
+            if time.monotonic() > deadline:
+                missing = [r for r, m in enumerate(markers) if not m.exists()]
+                raise CheckpointError(f"rank(s) {missing} did not finish their shard of step {step} "
+                                      f"within {self.commit_timeout_s:.0f} s")
+            time.sleep(0.02)
+        shards, tensors = [], {}
+        for rank, m in enumerate(markers):
+            info = json.loads(m.read_text())
+            if "error" in info:
+                raise CheckpointError(f"rank {rank} failed to write its shard of step {step}: {info['error']}")
+            shards.append({"file": info["file"], "sha256": info["sha256"], "size_bytes": info["size_bytes"]})
+            for name, meta in info["tensors"].items():
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name!r} was written by two ranks at step {step}")
+                tensors[name] = {"shard": info["file"], **meta}
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
+                    "created_unix_s": time.time(), "versions": versions, "shards": shards,
+                    "tensors": tensors, "run_state": run_state}
+        _write_durably(tmp / layout.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        for m in markers:
+            m.unlink()
+        layout.fsync_path(tmp)
+        os.rename(tmp, layout.step_dir(self.root, step))
+        layout.fsync_path(self.root)
+        layout.write_atomically(self.root / layout.LATEST, layout.step_name(step) + "\n")
+        self.last_committed = step
+        self.emit("committed", step=step, seconds=time.monotonic() - started)
+        doomed = retention.select_for_deletion(layout.committed_steps(self.root), keep_last=self.keep_last,
+                                               keep_every=self.keep_every, protected=self.protected())
+        for old in doomed:
+            layout.retire(self.root, old)
+        if doomed:
+            self.emit("retired", step=step, steps=doomed)

@@ -1,0 +1,57 @@
+"""Starting real MindSpore ranks the way msrun (and our supervisor) does, for the e2e tests."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from daemon.cluster import SCHEDULER, WORKER, free_port, process_env
+
+
+def events(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+class Cluster:
+    """A scheduler plus `ranks` workers running `llm-pretrain train` with the given arguments."""
+
+    def __init__(self, cli: list[str], env: dict, workdir: Path, args: list[str], ranks: int = 2):
+        self.workdir, self.ranks = workdir, ranks
+        common = dict(sched_host="127.0.0.1", sched_port=free_port(), worker_num=ranks, local_worker_num=ranks)
+        self.scheduler = subprocess.Popen([sys.executable, "-m", "engine.scheduler"], cwd=workdir,
+                                          env=process_env(env, role=SCHEDULER, **common),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.logs = [workdir / f"rank{r}.log" for r in range(ranks)]
+        self.outs = [workdir / f"rank{r}.out" for r in range(ranks)]
+        self.workers = [subprocess.Popen([*cli, "train", *args], cwd=workdir,
+                                         env=process_env(env, role=WORKER, node_id=r, **common),
+                                         stdout=open(self.outs[r], "w"), stderr=open(self.logs[r], "w"))
+                        for r in range(ranks)]
+
+    def wait(self, timeout_s: float = 300) -> list[int]:
+        try:
+            codes = [w.wait(timeout=timeout_s) for w in self.workers]
+            self.scheduler.wait(timeout=60)
+        finally:
+            self.kill()
+        return codes
+
+    def kill(self) -> None:
+        for p in [*self.workers, self.scheduler]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def events(self, rank: int) -> list[dict]:
+        return events(self.outs[rank].read_text())
+
+    def tail(self) -> str:
+        return "\n".join(log.read_text()[-1500:] for log in self.logs)
+
+
+def run_cluster(cli, env, workdir, args, ranks=2, timeout_s=300) -> list[list[dict]]:
+    cluster = Cluster(cli, env, workdir, args, ranks)
+    codes = cluster.wait(timeout_s)
+    assert codes == [0] * ranks, (codes, cluster.tail())
+    return [cluster.events(r) for r in range(ranks)]

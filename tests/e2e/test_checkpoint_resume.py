@@ -1,0 +1,165 @@
+"""Checkpoints with real training workers: bit-exact resume, stop signals, kills, full and read-only disks."""
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from checkpointing import layout, reader
+from tests.e2e.cluster import Cluster, events, run_cluster
+
+
+def sets(*overrides):
+    return sum((["--set", o] for o in overrides), [])
+
+
+def _train(cli, env, cwd, *args, timeout=300):
+    proc = subprocess.run([*cli, "train", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
+    return proc, events(proc.stdout)
+
+
+def _losses(evs):
+    return {e["step"]: e["loss"] for e in evs if e["kind"] == "step"}
+
+
+@pytest.fixture
+def base(stdlib_corpus):
+    # fp32, 40 steps in all; the stop comes from --until-step, so the schedule is the same in both runs
+    return [f'data.path="{stdlib_corpus}"', "train.steps=40", "checkpoint.interval_steps=10"]
+
+
+def test_resume_is_bit_exact_with_one_rank(cli, quiet_env, tmp_path, base):
+    straight, a = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "a"}"'))
+    first, b1 = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "b"}"'), "--until-step", "20")
+    second, b2 = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "b"}"'))
+    assert straight.returncode == first.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert b1[-1]["reason"] == "until_step" and b1[-1]["step"] == 20
+    assert [e for e in b2 if e.get("stage") == "restored"][0]["step"] == 20
+    assert [e["step"] for e in b2 if e["kind"] == "step"][0] == 21
+    la, lb = _losses(a), _losses(b2)
+    assert [la[s] for s in range(21, 41)] == [lb[s] for s in range(21, 41)]
+    assert a[-1]["params_sha256"] == b2[-1]["params_sha256"]
+
+
+def test_resume_is_bit_exact_with_two_ranks_and_into_one(cli, quiet_env, tmp_path, base):
+    dp2 = base + ["parallel.dp=2", "train.micro_batch=4"]
+    a = run_cluster(cli, quiet_env, tmp_path, sets(*dp2, f'run.dir="{tmp_path / "a"}"'))
+    run_cluster(cli, quiet_env, tmp_path, sets(*dp2, f'run.dir="{tmp_path / "b"}"') + ["--until-step", "20"])
+    shard_files = sorted(p.name for p in (tmp_path / "b" / "checkpoints" / "step-00000020").iterdir())
+    assert shard_files == ["manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    b = run_cluster(cli, quiet_env, tmp_path, sets(*dp2, f'run.dir="{tmp_path / "b"}"'))
+    for rank in (0, 1):
+        la, lb = _losses(a[rank]), _losses(b[rank])
+        assert [la[s] for s in range(21, 41)] == [lb[s] for s in range(21, 41)]
+        assert a[rank][-1]["params_sha256"] == b[rank][-1]["params_sha256"]
+    # the 2-rank checkpoint of step 20 also resumes in one process (another dp world size)
+    import shutil
+    shutil.copytree(tmp_path / "b" / "checkpoints" / "step-00000020", tmp_path / "c" / "checkpoints" / "step-00000020")
+    one, c = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "c"}"'))
+    assert one.returncode == 0, one.stderr[-2000:]
+    lc = _losses(c)
+    assert min(lc) == 21 and all(lc[s] == pytest.approx(la[s], rel=1e-3) for s in range(21, 41))
+
+
+def test_sigterm_checkpoints_every_rank_at_the_same_step_and_exits_0(cli, quiet_env, tmp_path, stdlib_corpus):
+    args = sets(f'data.path="{stdlib_corpus}"', "train.steps=100000", "checkpoint.interval_steps=0",
+                "parallel.dp=2", "train.micro_batch=4", f'run.dir="{tmp_path / "run"}"')
+    cluster = Cluster(cli, quiet_env, tmp_path, args)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and sum(e["kind"] == "step" for e in cluster.events(0)) < 5:
+        time.sleep(0.2)
+    for w in cluster.workers:
+        w.send_signal(signal.SIGTERM)
+    codes = cluster.wait(120)
+    assert codes == [0, 0], cluster.tail()
+    ends = [cluster.events(r)[-1] for r in (0, 1)]
+    assert [e["reason"] for e in ends] == ["stopped", "stopped"]
+    assert ends[0]["step"] == ends[1]["step"] and ends[0]["params_sha256"] == ends[1]["params_sha256"]
+    assert layout.committed_steps(tmp_path / "run" / "checkpoints") == [ends[0]["step"]]
+    print(f"stopped at step {ends[0]['step']}")
+
+
+def test_sigkill_of_a_training_worker_mid_save_leaves_whole_checkpoints(cli, quiet_env, tmp_path, stdlib_corpus):
+    args = sets(f'data.path="{stdlib_corpus}"', "train.steps=100000", "checkpoint.interval_steps=1",
+                "checkpoint.keep_last=2", f'run.dir="{tmp_path / "run"}"')
+    root = tmp_path / "run" / "checkpoints"
+    rng = random.Random(7)
+    for trial in range(2):
+        proc = subprocess.Popen([*cli, "train", *args], cwd=tmp_path, env=quiet_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
+        for line in proc.stdout:                     # a checkpoint of this generation committed
+            if '"committed"' in line:
+                break
+        time.sleep(rng.uniform(0.0, 0.3))
+        proc.kill()
+        proc.wait()
+        for step in layout.committed_steps(root):
+            assert reader.verify(layout.step_dir(root, step)) == []
+    resumed, evs = _train(cli, quiet_env, tmp_path, *args, "--until-step", str(max(layout.committed_steps(root)) + 3))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert evs[-1]["reason"] == "until_step"
+
+
+def _mount(*args):
+    return subprocess.run(["mount", *args], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("disk", ["full", "read-only"])
+def test_unwritable_checkpoints_do_not_stop_training(cli, quiet_env, tmp_path, stdlib_corpus, disk):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs or a read-only bind mount needs root")
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    if disk == "full":
+        mounted = _mount("-t", "tmpfs", "-o", "size=512k", "tmpfs", str(ckpts))   # the state is ~1.9 MB
+    else:
+        mounted = _mount("--bind", str(ckpts), str(ckpts))
+        if mounted.returncode == 0:
+            mounted = _mount("-o", "remount,ro,bind", str(ckpts))
+    if mounted.returncode != 0:
+        subprocess.run(["umount", str(ckpts)], capture_output=True)
+        pytest.skip(f"cannot mount here: {mounted.stderr.strip()}")
+    try:
+        proc, evs = _train(cli, quiet_env, tmp_path, *sets(f'data.path="{stdlib_corpus}"', "train.steps=12",
+                                                          "checkpoint.interval_steps=4", f'run.dir="{tmp_path / "run"}"'))
+        visible = sorted(p.name for p in ckpts.iterdir())
+    finally:
+        subprocess.run(["umount", str(ckpts)], check=True)
+    assert [e["step"] for e in evs if e["kind"] == "step"] == list(range(1, 13))   # training went on
+    failed = [e for e in evs if e.get("stage") == "failed"]
+    assert [e["step"] for e in failed] == [4, 8, 12] and all(e["detail"] for e in failed)
+    print(f"{disk}: {failed[0]['detail']}")
+    assert visible == []                                                            # nothing partial visible
+    assert proc.returncode == 70 and "could not be saved" in proc.stderr            # the last save failed
+
+
+def test_resuming_with_a_changed_trajectory_is_refused(cli, quiet_env, tmp_path, base):
+    run = f'run.dir="{tmp_path / "run"}"'
+    first, _ = _train(cli, quiet_env, tmp_path, *sets(*base, run), "--until-step", "10")
+    assert first.returncode == 0
+    refused, _ = _train(cli, quiet_env, tmp_path, *sets(*base, run, "optim.lr=0.01"))
+    assert refused.returncode == 78 and "optim.lr" in refused.stderr and "--allow-config-change" in refused.stderr
+    neutral, evs = _train(cli, quiet_env, tmp_path, *sets(*base, run, "train.micro_batch=4",
+                                                         "train.grad_accum_steps=2"), "--until-step", "12")
+    assert neutral.returncode == 0 and evs[-1]["step"] == 12       # accumulation may change freely
+    allowed, _ = _train(cli, quiet_env, tmp_path, *sets(*base, run, "optim.lr=0.01"), "--allow-config-change",
+                        "--until-step", "14")
+    assert allowed.returncode == 0
+
+
+def test_a_shard_loads_with_mindspores_own_loader(mindspore_cpu, cli, quiet_env, tmp_path, base):
+    proc, _ = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "run"}"'), "--until-step", "3")
+    assert proc.returncode == 0
+    path = tmp_path / "run" / "checkpoints" / "step-00000003"
+    ours = reader.load_tensors(path)
+    theirs = mindspore_cpu.load_checkpoint(str(path / "shard-00000-of-00001.safetensors"), format="safetensors")
+    assert set(theirs) == set(ours)
+    for name, param in theirs.items():
+        assert np.array_equal(param.asnumpy(), ours[name]), name
+    assert "model.layers.0.self_attn.q_proj.weight" in theirs and "adam_m.lm_head.weight" in theirs
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["run_state"]["data_cursor"] == 24 and manifest["run_state"]["step"] == 3
