@@ -26,6 +26,7 @@ test-fast: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/data_throughput.py
+	$(BIN)/python bench/checkpoint_stall.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -56,7 +56,7 @@ class ShardWriter:
         self.keep_last, self.keep_every, self.protected = keep_last, keep_every, protected
         self.commit_timeout_s = commit_timeout_s
         self.low_priority = low_priority
-        self.last_error: BaseException | None = None
+        self.last_error: BaseException | None = None   # of the latest save; None while it goes well
         self.last_committed: int | None = None
         self._thread: threading.Thread | None = None
 
@@ -65,13 +65,19 @@ class ShardWriter:
         """Starts writing this rank's `tensors` (already host copies) for `step`; returns at once."""
         if self.rank == 0 and run_state is None:
             raise ValueError("rank 0 commits the checkpoint and must pass run_state")
+        self.ready(step)
+        self.last_error = None       # from here on it describes this save
+        self._thread = threading.Thread(target=self._write, name=f"checkpoint-{step}", daemon=True,
+                                        args=(step, dict(tensors), run_state, versions or {}))
+        self._thread.start()
+
+    def ready(self, step: int) -> None:
+        """Waits until this rank's previous save is done (reported as "waited"): after this, buffers the
+        previous save was given may be reused."""
         if self._thread is not None and self._thread.is_alive():
             started = time.monotonic()
             self._thread.join()
             self.emit("waited", step=step, seconds=time.monotonic() - started)
-        self._thread = threading.Thread(target=self._write, name=f"checkpoint-{step}", daemon=True,
-                                        args=(step, dict(tensors), run_state, versions or {}))
-        self._thread.start()
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until the save in flight is done; True if none is left running."""

@@ -134,9 +134,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     ckpt.restore_latest(allow_config_change=allow_config_change)
     last = min(cfg.train.steps, until_step) if until_step is not None else cfg.train.steps
     interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
-    saved_step = trainer.step if trainer.step > 0 else None
-    reason = "finished"
-    event = None
+    reason = "finished" if last == cfg.train.steps else "until_step"
     while trainer.step < last:
         control = np.zeros(len(Control), np.int32)
         control[Control.STOP] = int(stop.requested)
@@ -148,14 +146,9 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         if stopping or event.step == last or (interval and event.step % interval == 0):
             ckpt.save({"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr,
                        "loss_scale": event.loss_scale})
-            saved_step = event.step
         if stopping:
             reason = "stopped"
             break
-    if reason == "finished" and last < cfg.train.steps:
-        reason = "until_step"
-    if saved_step != trainer.step and trainer.step > 0:
-        ckpt.save({} if event is None else {"loss": event.loss})
     ok = ckpt.wait()
     end = ExitEvent(rank=rank_info.rank, generation=trainer.generation, step=trainer.step, reason=reason,
                     params_sha256=trainer.params_sha256())
