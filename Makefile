@@ -18,15 +18,16 @@ demo: $(VENV)/.installed
 	$(BIN)/llm-pretrain train $(ARGS)
 
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest
 
 test-fast: $(VENV)/.installed
-	$(BIN)/python -m pytest tests -m "unit or integration"
+	$(BIN)/python -m pytest -m "unit or integration"
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/data_throughput.py
 	$(BIN)/python bench/checkpoint_stall.py
+	$(BIN)/python bench/recovery.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

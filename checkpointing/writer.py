@@ -40,10 +40,14 @@ Emit = Callable[..., None]   # emit(stage, step=..., seconds=..., error=...)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    """Writes and fsyncs `path`; it appears under its name only once complete (others may be polling
+    for it: a file seen before its bytes are in would read as empty)."""
+    part = path.with_name(path.name + ".part")
+    with open(part, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    os.rename(part, path)
 
 
 class ShardWriter:

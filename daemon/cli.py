@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--allow-config-change", action="store_true",
                        help="resume even if trajectory-defining config keys differ from the checkpoint's")
 
+    run = sub.add_parser("run", help="the daemon: start this node's ranks, watch them, bring them back")
+    _add_config_args(run)
+
     ckpts = sub.add_parser("checkpoints", help="list, show or verify a run's checkpoints")
     ckpts.add_argument("action", choices=("list", "show", "verify"))
     ckpts.add_argument("run", metavar="RUN", help="a run directory, or a run name (./runs/NAME or "
@@ -84,6 +87,23 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    import os
+
+    from daemon.supervisor import Supervisor
+
+    cfg = load_config(args.config, args.overrides)
+    run_dir, log_dir = cfg.run.resolved_dir().resolve(), cfg.run.resolved_log_dir().resolve()
+    # Workers get the same config, with the paths made absolute so they agree with the daemon's.
+    worker_cmd = [sys.executable, "-m", "daemon.cli", "train"]
+    if args.config:
+        worker_cmd += ["--config", os.path.abspath(args.config)]
+    for override in [*args.overrides, f'run.dir="{run_dir}"', f'run.log_dir="{log_dir}"']:
+        worker_cmd += ["--set", override]
+    scheduler_cmd = [sys.executable, "-m", "engine.scheduler"]
+    return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd).run()
+
+
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from daemon import checkpoints_cli
 
@@ -99,7 +119,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
-            "checkpoints": _cmd_checkpoints}
+            "checkpoints": _cmd_checkpoints, "run": _cmd_run}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import socket
 from typing import Mapping
 
+from daemon.protocol import ENV_GENERATION
+
 SCHEDULER = "MS_SCHED"
 WORKER = "MS_WORKER"
 
@@ -36,7 +38,7 @@ def process_env(base: Mapping[str, str], *, role: str, sched_host: str, sched_po
         "MS_SCHED_PORT": str(sched_port),
         "MS_WORKER_NUM": str(worker_num),
         "MS_LOCAL_WORKER_NUM": str(local_worker_num),
-        "LLM_PRETRAIN_GENERATION": str(generation),
+        ENV_GENERATION: str(generation),
     })
     env.pop("MS_NODE_ID", None)
     if role == WORKER and node_id is not None:

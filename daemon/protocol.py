@@ -102,7 +102,59 @@ class CheckpointEvent(_Event):
     kind: str = "checkpoint"
 
 
-EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PhaseEvent(_Event):
+    """A worker entering a phase; the supervisor's hang timeouts depend on it."""
+
+    rank: int
+    generation: int
+    phase: str                # one of PHASES
+    step: int = 0
+    kind: str = "phase"
+
+
+PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting")
+
+EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent}
+
+
+# Worker ⇄ supervisor plumbing: environment variables the supervisor sets for every rank.
+ENV_EVENT_SOCKET = "LLM_PRETRAIN_EVENT_SOCKET"   # path of the supervisor's UNIX datagram socket
+ENV_COMMANDS = "LLM_PRETRAIN_COMMANDS"           # path of the commands file
+ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 first
+
+# Longest path a UNIX socket address holds on Linux (108 bytes with the terminating NUL).
+MAX_SOCKET_PATH_BYTES = 107
+
+COMMANDS = ("checkpoint", "stop", "inject")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Command:
+    """One line of the commands file: applied by every rank after the same step."""
+
+    seq: int                  # 1, 2, 3, … in file order
+    name: str                 # one of COMMANDS
+    args: dict = dataclasses.field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({"seq": self.seq, "name": self.name, "args": self.args}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, line: str) -> "Command":
+        data = json.loads(line)
+        if not isinstance(data, dict) or not isinstance(data.get("seq"), int) or data.get("name") not in COMMANDS:
+            raise ValueError(f"not a command: {line[:80]!r}")
+        return cls(seq=data["seq"], name=data["name"], args=dict(data.get("args") or {}))
+
+
+def send_datagram(sock, path: str, event: _Event) -> bool:
+    """Sends one event without ever blocking; False if it was dropped (no reader, buffer full)."""
+    try:
+        sock.sendto(event.to_json().encode(), path)
+        return True
+    except (BlockingIOError, ConnectionRefusedError, FileNotFoundError, OSError):
+        return False
 
 
 def decode_event(line: str | bytes) -> _Event:

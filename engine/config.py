@@ -207,10 +207,23 @@ class CheckpointConfig:
 class HealthConfig:
     """Incident detection and the recovery policy's limits."""
 
-    allow_fault_injection: bool = False  # honour `llm-pretrain inject` fault drills
+    allow_fault_injection: bool = False  # honour fault drills (`inject` commands) in the workers
+    hang_floor_s: float = 60.0           # a training rank is hung after max(this, hang_step_multiplier x p99 step time)
+    hang_step_multiplier: float = 10.0   # ... without a new step
+    hang_start_timeout_s: float = 600.0  # from process start to the first event (imports, cluster forming, restore)
+    hang_compile_timeout_s: float = 900.0  # for the first step (graph compilation)
+    hang_checkpoint_timeout_s: float = 600.0  # for the final save's commit
+    max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint: exit 3
+    restart_backoff_initial_s: float = 1.0  # first restart delay; doubles per consecutive failure, with jitter
+    restart_backoff_max_s: float = 60.0     # cap on the restart delay
 
     def __post_init__(self) -> None:
-        pass
+        for key in ("hang_floor_s", "hang_step_multiplier", "hang_start_timeout_s", "hang_compile_timeout_s",
+                    "hang_checkpoint_timeout_s", "restart_backoff_max_s"):
+            _in_range(f"health.{key}", getattr(self, key), 0.0, 1e7, open_low=True)
+        _in_range("health.restart_backoff_initial_s", self.restart_backoff_initial_s, 0.0,
+                  self.restart_backoff_max_s)
+        _at_least("health.max_restarts_without_progress", self.max_restarts_without_progress, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -220,8 +233,22 @@ class RunConfig:
     name: str = "tiny"             # run name: letters, digits, '-', '_', '.'
     dir: str = ""                  # run directory; "" = $STATE_DIRECTORY/<name> under systemd, else ./runs/<name>
     log_dir: str = ""              # event and rank logs; "" = $LOGS_DIRECTORY/<name> under systemd, else <dir>/logs
+    nodes: int = 1                 # machines in the cluster, one supervisor each
+    node_rank: int = 0             # this machine's index; node 0 runs MindSpore's scheduler
+    master_addr: str = "127.0.0.1"  # node 0's address, where the scheduler listens
+    master_port: int = 0           # the scheduler's port; 0 = a free port, fresh each generation (single node)
+    stop_timeout_s: float = 300.0  # on stop: wait this long for the final checkpoint, then kill
+    kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
+    compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
 
     def __post_init__(self) -> None:
+        _at_least("run.nodes", self.nodes, 1)
+        _in_range("run.node_rank", self.node_rank, 0, self.nodes - 1)
+        _in_range("run.master_port", self.master_port, 0, 65535)
+        _in_range("run.stop_timeout_s", self.stop_timeout_s, 0.0, 1e6, open_low=True)
+        _in_range("run.kill_grace_s", self.kill_grace_s, 0.0, 3600.0)
+        if not self.master_addr or any(c.isspace() for c in self.master_addr):
+            _fail(f"run.master_addr = {self.master_addr!r} must be a host name or address")
         allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
         if not self.name or not set(self.name) <= allowed or self.name.startswith("."):
             _fail(f"run.name = {self.name!r} is not allowed; use letters, digits, '-', '_' and '.' "
@@ -274,6 +301,10 @@ def _check_cross_section(cfg: Config) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if t.recompute_num_layers > m.num_layers:
         _fail(f"train.recompute_num_layers = {t.recompute_num_layers} exceeds model.num_layers = {m.num_layers}")
+    if p.world_size % cfg.run.nodes:
+        _fail(f"parallel.dp x tp x pp = {p.world_size} ranks do not divide over run.nodes = {cfg.run.nodes}")
+    if cfg.run.nodes > 1 and cfg.run.master_port == 0:
+        _fail("run.master_port = 0 picks a port on one machine only; with run.nodes > 1 set a fixed port")
     if cfg.data.seq_len > m.max_seq_len:
         _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.precision == "bf16" and t.device != "ascend":

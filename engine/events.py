@@ -1,20 +1,28 @@
-"""Where a worker's events go: one JSON line each on stdout, safe to call from any thread.
-
-(The supervisor's datagram socket joins here when it lands.)
-"""
+"""Where a worker's events go: one JSON line each on stdout (the rank's log), and, under the
+supervisor, one datagram each on its event socket. Safe from any thread; never blocks."""
 from __future__ import annotations
 
+import socket
 import sys
 import threading
 from typing import TextIO
 
+from daemon.protocol import send_datagram
+
 
 class EventSink:
-    def __init__(self, out: TextIO = sys.stdout):
+    def __init__(self, out: TextIO = sys.stdout, socket_path: str | None = None):
         self.out = out
+        self.socket_path = socket_path
+        self._sock = None
+        if socket_path:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sock.setblocking(False)
         self._lock = threading.Lock()
 
     def emit(self, event) -> None:
         line = event.to_json()
         with self._lock:
             print(line, file=self.out, flush=True)
+            if self._sock is not None:
+                send_datagram(self._sock, self.socket_path, event)

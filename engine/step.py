@@ -27,16 +27,13 @@ from engine.model import CausalLM
 from engine.optim import AdamW
 
 
-CONTROL_SLOTS = 1   # see engine.worker.Control for what each slot means
-
-
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     loss: float          # global mean loss, unscaled
     grad_norm: float     # global norm of the unscaled, unclipped gradients
     loss_scale: float    # the scale this step ran with
     skipped: bool        # update not applied (non-finite gradients)
-    control: tuple[int, ...] = ()   # the control vector, summed over ranks (engine.worker.Control)
+    control: tuple[int, ...] = ()   # the control vector, summed over ranks (see engine.worker.train)
 
 
 class TrainStep(nn.Cell):
@@ -129,7 +126,7 @@ class TrainStep(nn.Cell):
             raise ValueError(f"expected {self.accum_steps} micro-batches, got {micro_batches.shape[0]}")
         lr_t = Tensor(lr, ms.float32)
         poison_t = Tensor(poison, ms.float32)
-        control_t = Tensor(np.zeros(CONTROL_SLOTS, np.int32) if control is None else control.astype(np.int32))
+        control_t = Tensor(np.zeros(1, np.int32) if control is None else control.astype(np.int32))
         if self.accum_steps == 1:
             out = self._fused(Tensor(micro_batches[0]), lr_t, poison_t, control_t)
         else:

@@ -7,7 +7,7 @@ complete single-process trainer or as one rank of MindSpore's dynamic cluster
 """
 from __future__ import annotations
 
-import enum
+import faulthandler
 import hashlib
 import os
 import signal
@@ -17,9 +17,10 @@ from typing import Iterator, Sequence, TextIO
 
 import numpy as np
 
-from daemon.protocol import ExitEvent, StepEvent
+from daemon.protocol import ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ExitEvent, PhaseEvent, StepEvent
 from engine import data, runtime, schedule
 from engine.config import Config
+from engine.commands import CommandReader
 from engine.events import EventSink
 from engine.feed import FedStep, feed
 
@@ -92,13 +93,6 @@ class Trainer:
         return digest.hexdigest()
 
 
-class Control(enum.IntEnum):
-    """Slots of the control vector each step sums over ranks (engine.step.CONTROL_SLOTS): a flag any
-    rank sets sums to > 0 on every rank after the same step."""
-
-    STOP = 0          # 1 once this rank got SIGTERM/SIGINT: every rank checkpoints and stops after that step
-
-
 class _StopSignal:
     """SIGTERM/SIGINT set a flag the loop feeds into the next step; a second one exits at once."""
 
@@ -113,11 +107,15 @@ class _StopSignal:
         self.requested = True
 
 
+STOP_SLOT = 0   # control vector: [stop flag, command window (engine.commands.WINDOW slots)]
+
+
 def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: int | None = None,
           allow_config_change: bool = False) -> ExitEvent:
     """Resumes from the run's newest checkpoint, trains to cfg.train.steps (or `until_step`), saving
-    every checkpoint.interval_steps, on SIGTERM/SIGINT, and at the end. Prints one JSON line per logged
-    step and checkpoint event, and a last exit line; raises CheckpointSaveError if the last save fails."""
+    every checkpoint.interval_steps, on SIGTERM/SIGINT or a `stop`/`checkpoint` command, and at the end.
+    Every rank emits its events (steps, phases, checkpoints) as JSON lines and, under the supervisor,
+    datagrams; raises CheckpointSaveError if the last save fails."""
     corpus_dir = None
     if cfg.data.source == "prepared" and not cfg.data.path:
         from engine.prepare import ensure_default_corpus
@@ -125,37 +123,76 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         corpus_dir = str(ensure_default_corpus())
     source = data.open_source(cfg, corpus_dir)        # bad data fails here, before the cluster forms
     stop = _StopSignal()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
+    sink = EventSink(out, env.get(ENV_EVENT_SOCKET))
+    generation = int(env.get(ENV_GENERATION, "0"))
     rank_info = runtime.setup(cfg, env)
-    sink = EventSink(out)
-    trainer = Trainer(cfg, rank_info, generation=int(env.get("LLM_PRETRAIN_GENERATION", "0")), source=source)
+    phase = lambda name, step=0: sink.emit(PhaseEvent(rank=rank_info.rank, generation=generation, phase=name,
+                                                      step=step))
+    phase("restore")
+    trainer = Trainer(cfg, rank_info, generation=generation, source=source)
     from engine.checkpoint import TrainerCheckpoints
 
     ckpt = TrainerCheckpoints(trainer, cfg, cfg.run.resolved_dir(env) / "checkpoints", emit=sink.emit)
     ckpt.restore_latest(allow_config_change=allow_config_change)
+    commands = CommandReader(env.get(ENV_COMMANDS))
+    applied = 0
     last = min(cfg.train.steps, until_step) if until_step is not None else cfg.train.steps
     interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
     reason = "finished" if last == cfg.train.steps else "until_step"
+    if trainer.step < last:
+        phase("compile", trainer.step)
     while trainer.step < last:
-        control = np.zeros(len(Control), np.int32)
-        control[Control.STOP] = int(stop.requested)
+        commands.poll()
+        control = np.concatenate([[int(stop.requested)], commands.encode(applied)]).astype(np.int32)
         event = trainer.train_step(control=control)
-        agreed = trainer.agreed_control
+        agreed = np.asarray(trainer.agreed_control)
         if event.step % every == 0 or event.step == last:
             sink.emit(event)
-        stopping = agreed[Control.STOP] > 0
-        if stopping or event.step == last or (interval and event.step % interval == 0):
+        stopping = agreed[STOP_SLOT] > 0
+        save_now = stopping or event.step == last or (interval and event.step % interval == 0)
+        hang_s = 0.0
+        for cmd in commands.agreed(applied, agreed[1:]):
+            applied = cmd.seq
+            if cmd.name == "stop":
+                stopping = save_now = True
+            elif cmd.name == "checkpoint":
+                save_now = True
+            elif cmd.name == "inject":
+                hang_s += _fault_drill(cfg, cmd, rank_info.rank)
+        if save_now:
             ckpt.save({"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr,
                        "loss_scale": event.loss_scale})
         if stopping:
             reason = "stopped"
             break
+        if hang_s:
+            time.sleep(hang_s)        # a rank alive but not stepping: what the hang detector is for
+    phase("checkpoint", trainer.step)
     ok = ckpt.wait()
+    phase("exiting", trainer.step)
     end = ExitEvent(rank=rank_info.rank, generation=trainer.generation, step=trainer.step, reason=reason,
                     params_sha256=trainer.params_sha256())
     sink.emit(end)
     if not ok:
         raise CheckpointSaveError(f"the checkpoint of step {trainer.step} could not be saved: {ckpt.writer.last_error}")
     return end
+
+
+def _fault_drill(cfg: Config, cmd, rank: int) -> float:
+    """An `inject` command; returns seconds to hang. Honoured only with health.allow_fault_injection."""
+    args = cmd.args
+    if not cfg.health.allow_fault_injection:
+        print(f"llm-pretrain: ignoring inject command {cmd.seq}: health.allow_fault_injection = false",
+              file=sys.stderr, flush=True)
+        return 0.0
+    if args.get("rank", rank) != rank:
+        return 0.0
+    if args.get("fault") == "hang":
+        return float(args.get("seconds", 3600.0))
+    print(f"llm-pretrain: ignoring inject command {cmd.seq}: unknown fault {args.get('fault')!r}",
+          file=sys.stderr, flush=True)
+    return 0.0
 
 
 class CheckpointSaveError(RuntimeError):

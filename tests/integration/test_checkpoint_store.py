@@ -131,3 +131,42 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
         assert [p.name for p in root.glob("step-*") if layout.parse_step(p.name) is None] == []
     print(f"{TRIALS} kills: outcomes {sorted(outcomes)}")
     assert "leftovers" in outcomes       # some kills did land mid-save
+
+
+def test_a_slowly_written_marker_is_never_read_half_done(tmp_path, monkeypatch):
+    """Rank 0 polls for rank 1's marker; one seen before its bytes were in used to abort the commit."""
+    import builtins
+
+    import checkpointing.writer as writer_module
+
+    class SlowWrites:
+        def __init__(self, f):
+            self.f = f
+
+        def write(self, data):
+            time.sleep(0.3)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    def slow_open(path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        return SlowWrites(f) if "shard-00001" in str(path) and "done.json" in str(path) else f
+
+    monkeypatch.setattr(writer_module, "open", slow_open, raising=False)
+    failures = []
+    w0 = ShardWriter(tmp_path, rank=0, world=2, emit=lambda s, **i: s == "failed" and failures.append(i))
+    w1 = ShardWriter(tmp_path, rank=1, world=2)
+    w0.save(1, {"a": np.ones(3, np.float32)}, run_state={})      # rank 0 is already waiting ...
+    time.sleep(0.3)
+    w1.save(1, {"b": np.ones(3, np.float32)})                     # ... when rank 1 writes, slowly
+    w1.wait()
+    w0.wait()
+    assert failures == [] and layout.committed_steps(tmp_path) == [1]

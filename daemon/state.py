@@ -1,0 +1,53 @@
+"""The run's persistent state, `<run.dir>/state.json`: what a restarted daemon continues from.
+
+Written atomically (temporary file, fsync, rename, fsync the directory)
+before each decision is acted on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "state.json"
+
+
+@dataclasses.dataclass
+class RunState:
+    generation: int = 0                  # generations started so far (the next is generation + 1)
+    restarts: int = 0                    # restarts after crashes and hangs, in all
+    restarts_without_progress: int = 0   # consecutive restarts with no new committed checkpoint
+    last_committed_step: int = 0         # newest committed checkpoint when the last generation began
+    status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
+    incidents: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    overrides: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # lr overrides etc. in force
+    processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
+    daemon_pid: int = 0
+    updated_unix_s: float = 0.0
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "RunState":
+        path = run_dir / STATE_FILE
+        if not path.exists():
+            return cls()
+        data = json.loads(path.read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, run_dir: Path) -> None:
+        self.updated_unix_s = time.time()
+        path = run_dir / STATE_FILE
+        tmp = run_dir / f".{STATE_FILE}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(dataclasses.asdict(self), f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(run_dir, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,139 @@
+"""`llm-pretrain run` with two real MindSpore ranks on the tiny config, and real faults."""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from checkpointing import layout
+from daemon.protocol import Command
+from daemon.state import RunState
+
+
+def _daemon(cli, env, tmp_path, corpus, *extra, steps=60):
+    run = tmp_path / "run"
+    sets = [f'data.path="{corpus}"', f"train.steps={steps}", "checkpoint.interval_steps=10", "parallel.dp=2",
+            "train.micro_batch=4", f'run.dir="{run}"', "health.restart_backoff_initial_s=0.2",
+            "health.restart_backoff_max_s=1", "run.kill_grace_s=5", *extra]
+    args = sum((["--set", s] for s in sets), [])
+    proc = subprocess.Popen([*cli, "run", *args], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    return proc, run
+
+
+def _events(run: Path) -> list[dict]:
+    path = run / "logs" / "events.jsonl"
+    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+def _named(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def _rank_steps(run: Path, rank: int) -> list[dict]:
+    lines = (run / "logs" / f"rank-{rank}.log").read_text().splitlines()
+    return [json.loads(l) for l in lines if l.startswith('{"data_wait_s"')]
+
+
+def _wait_for(predicate, timeout_s=240, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _last_step(run, rank=0):
+    steps = _rank_steps(run, rank) if (run / "logs" / f"rank-{rank}.log").exists() else []
+    return steps[-1]["step"] if steps else 0
+
+
+def test_kill_9_of_a_rank_is_survived(cli, quiet_env, tmp_path, stdlib_corpus):
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus)
+    _wait_for(lambda: _last_step(run) >= 25, what="step 25")
+    victim = next(p for p in RunState.load(run).processes if p["rank"] == 1)
+    crashed_at = _last_step(run)
+    os.kill(victim["pid"], signal.SIGKILL)
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-2000:]
+    events = _events(run)
+    crash = _named(events, "crash")[0]
+    assert crash["rank"] == 1 and crash["cause"] == "killed by signal 9"
+    restart = _named(events, "restart")[0]
+    assert restart["cause"] == "crash" and restart["rank"] == 1
+    assert crashed_at - restart["resume_step"] <= 10 + 1            # lost work: at most one interval
+    assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+    assert layout.committed_steps(run / "checkpoints")[-1] == 60
+    print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}")
+
+
+def test_a_rank_that_stops_stepping_is_detected_and_restarted(cli, quiet_env, tmp_path, stdlib_corpus):
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "health.allow_fault_injection=true",
+                        "health.hang_floor_s=5", "health.hang_step_multiplier=10", steps=40)
+    _wait_for(lambda: _last_step(run) >= 12, what="step 12")
+    with open(run / "commands.jsonl", "a") as f:      # what `llm-pretrain inject hang` will write
+        f.write(Command(seq=1, name="inject", args={"fault": "hang", "rank": 1, "seconds": 3600}).to_json() + "\n")
+    injected = time.monotonic()
+    _wait_for(lambda: _named(_events(run), "hang"), what="the hang to be detected")
+    latency = time.monotonic() - injected
+    out, err = proc.communicate(timeout=400)
+    assert proc.returncode == 0, err[-2000:]
+    hang = _named(_events(run), "hang")[0]
+    assert hang["phase"] == "train" and hang["timeout_s"] == 5
+    for rank in (0, 1):     # every live rank's Python stacks, from faulthandler, in its log
+        dump = (run / "logs" / f"rank-{rank}.log").read_text().split("most recent call first", 1)
+        assert len(dump) == 2, f"no stack dump in rank {rank}'s log"
+        assert re.search(r'engine/worker\.py", line \d+ in train', dump[1][:5000]), dump[1][:2000]
+    assert _named(_events(run), "restart")[0]["cause"] == "hang"
+    print(f"hang detection latency: {latency:.1f} s after injection (waited {hang['waited_s']} s, "
+          f"timeout {hang['timeout_s']} s)")
+
+
+def test_kill_9_of_the_supervisor_then_restart(cli, quiet_env, tmp_path, stdlib_corpus):
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=80)
+    _wait_for(lambda: len(layout.committed_steps(run / "checkpoints")) >= 2, what="two checkpoints")
+    orphans = RunState.load(run).processes
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert any(Path(f"/proc/{o['pid']}").exists() for o in orphans)
+    committed = layout.committed_steps(run / "checkpoints")[-1]
+    again, _ = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=80)
+    out, err = again.communicate(timeout=400)
+    assert again.returncode == 0, err[-2000:]
+    events = _events(run)
+    assert sorted(_named(events, "orphans_killed")[0]["pids"]) == sorted(o["pid"] for o in orphans)
+    starts = _named(events, "generation_start")
+    assert starts[-1]["resume_step"] >= committed
+    assert _named(events, "daemon_exit")[-1]["reason"] == "finished"
+
+
+def test_sigterm_commits_a_final_checkpoint_and_exits_0(cli, quiet_env, tmp_path, stdlib_corpus):
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=100000)
+    _wait_for(lambda: _last_step(run) >= 5, what="step 5")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    events = _events(run)
+    assert _named(events, "daemon_exit")[0]["reason"] == "stopped"
+    final = layout.committed_steps(run / "checkpoints")[-1]
+    ends = [json.loads(l) for r in (0, 1) for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
+            if l.startswith('{"generation"') and '"exit"' in l]
+    assert [e["reason"] for e in ends] == ["stopped", "stopped"] and {e["step"] for e in ends} == {final}
+
+
+def test_a_worker_that_always_dies_at_start_gives_up_with_3(cli, quiet_env, tmp_path, stdlib_corpus):
+    broken = tmp_path / "broken"           # a broken environment: every rank dies as it starts
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('MS_ROLE') == 'MS_WORKER':\n    os._exit(1)\n")
+    env = dict(quiet_env, PYTHONPATH=f"{broken}{os.pathsep}{quiet_env.get('PYTHONPATH', '')}")
+    proc, run = _daemon(cli, env, tmp_path, stdlib_corpus, "health.max_restarts_without_progress=3")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err[-2000:]
+    events = _events(run)
+    assert len(_named(events, "crash")) == 3 and _named(events, "gave_up")[0]["code"] == 3

@@ -1,0 +1,105 @@
+"""A stdlib-only stand-in for `llm-pretrain train`, for the supervisor's integration tests.
+
+Speaks the real protocol (daemon.protocol): phase, step, checkpoint and exit
+events as datagrams; the commands file; SIGTERM; faulthandler on SIGUSR1. Its
+"checkpoints" are directories `step-N/` under <run-dir>/checkpoints, from
+which it resumes. Faults on cue, in chosen generations:
+
+    --crash-at STEP      exit 1 after STEP          --signal-at STEP   SIGKILL itself after STEP
+    --hang-at STEP       stop stepping after STEP   --die-at-start     exit 1 before any event
+    --rank-faults R      only rank R misbehaves (default: all)
+    --fault-generations G[,G...]   only in these generations (default: all)
+"""
+import argparse
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, CheckpointEvent, Command, ExitEvent,
+                             PhaseEvent, StepEvent, send_datagram)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--step-s", type=float, default=0.02)
+    ap.add_argument("--interval", type=int, default=5)
+    ap.add_argument("--start-delay-s", type=float, default=0.0)
+    ap.add_argument("--crash-at", type=int)
+    ap.add_argument("--signal-at", type=int)
+    ap.add_argument("--hang-at", type=int)
+    ap.add_argument("--die-at-start", action="store_true")
+    ap.add_argument("--rank-faults", type=int)
+    ap.add_argument("--fault-generations", default="")
+    a = ap.parse_args()
+
+    rank = int(os.environ.get("MS_NODE_ID", "0"))
+    generation = int(os.environ.get(ENV_GENERATION, "0"))
+    gens = {int(g) for g in a.fault_generations.split(",") if g}
+    faulty = (not gens or generation in gens) and (a.rank_faults is None or a.rank_faults == rank)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    path = os.environ.get(ENV_EVENT_SOCKET, "")
+    emit = lambda e: (send_datagram(sock, path, e), print(e.to_json(), flush=True))
+    print(f"fake worker rank {rank} generation {generation} pid {os.getpid()}", flush=True)
+    if faulty and a.die_at_start:
+        print("dying at start, as asked", flush=True)
+        return 1
+    time.sleep(a.start_delay_s)
+    ckpts = Path(a.run_dir) / "checkpoints"
+    done = [int(p.name[5:]) for p in ckpts.glob("step-*") if p.name[5:].isdigit()] if ckpts.is_dir() else []
+    step = max(done, default=0)
+    emit(PhaseEvent(rank=rank, generation=generation, phase="restore", step=step))
+    emit(PhaseEvent(rank=rank, generation=generation, phase="compile", step=step))
+
+    def save():
+        if rank == 0:
+            (ckpts / f"step-{step:08d}").mkdir(parents=True, exist_ok=True)
+            emit(CheckpointEvent(rank=rank, generation=generation, step=step, stage="committed"))
+
+    commands_path = os.environ.get(ENV_COMMANDS)
+    seen = 0
+    reason = "finished"
+    while step < a.steps:
+        time.sleep(a.step_s)
+        step += 1
+        emit(StepEvent(rank=rank, generation=generation, step=step, loss=3.0, grad_norm=1.0, loss_scale=1.0,
+                       lr=1e-3, lr_multiplier=1.0, skipped=False, sample_start=8 * (step - 1), sample_end=8 * step,
+                       tokens=512, step_s=a.step_s, data_wait_s=0.0, tokens_per_s=512 / a.step_s))
+        names = []
+        if commands_path and os.path.exists(commands_path):
+            for line in Path(commands_path).read_text().splitlines():
+                cmd = Command.from_json(line)
+                if cmd.seq > seen:
+                    seen = cmd.seq
+                    names.append(cmd.name)
+        if step % a.interval == 0 or step == a.steps or "checkpoint" in names or "stop" in names \
+                or stop["requested"]:
+            save()
+        if "stop" in names or stop["requested"]:
+            reason = "stopped"
+            break
+        if faulty and a.crash_at == step:
+            print("crashing, as asked", flush=True)
+            return 1
+        if faulty and a.signal_at == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if faulty and a.hang_at == step:
+            print("hanging, as asked", flush=True)
+            while True:
+                time.sleep(1)
+    emit(PhaseEvent(rank=rank, generation=generation, phase="exiting", step=step))
+    emit(ExitEvent(rank=rank, generation=generation, step=step, reason=reason))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""The real supervisor against the stdlib fake worker: crash, hang, crash loop, stop, lock, orphans."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from daemon.state import RunState
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["health.restart_backoff_initial_s=0.1", "health.restart_backoff_max_s=0.5", "run.kill_grace_s=2"]
+
+
+def _start(run_dir, overrides=(), fake=(), ranks=1):
+    sets = [f'run.dir="{run_dir}"', *FAST, *overrides]
+    if ranks > 1:
+        sets += [f"parallel.dp={ranks}", f"train.micro_batch={8 // ranks}"]
+    args = sum((["--set", s] for s in sets), [])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "tests.integration.supervise_fake", *args, "--", *fake],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc, timeout=60):
+    out, err = proc.communicate(timeout=timeout)
+    events = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+    return proc.returncode, events, err
+
+
+def _named(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def test_clean_run_finishes_with_0(tmp_path):
+    code, events, err = _finish(_start(tmp_path / "run", fake=["--steps", "12"], ranks=2))
+    assert code == 0, err
+    assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+    assert len(_named(events, "generation_start")) == 1
+    assert RunState.load(tmp_path / "run").status == "finished"
+    logs = sorted(p.name for p in (tmp_path / "run" / "logs").iterdir())
+    assert logs == ["events.jsonl", "rank-0.log", "rank-1.log"]
+    assert all(set(e) >= {"ts", "level", "event", "run", "generation"} for e in events)
+
+
+def test_crash_restarts_from_the_latest_checkpoint(tmp_path):
+    code, events, err = _finish(_start(tmp_path / "run", fake=["--steps", "20", "--crash-at", "12",
+                                                               "--rank-faults", "1", "--fault-generations", "1"],
+                                       ranks=2))
+    assert code == 0, err
+    crash = _named(events, "crash")[0]
+    assert (crash["rank"], crash["exit_code"], crash["generation"]) == (1, 1, 1)
+    restart = _named(events, "restart")[0]
+    assert restart["cause"] == "crash" and restart["rank"] == 1 and restart["resume_step"] >= 10
+    starts = _named(events, "generation_start")
+    # the fake ranks share no collective, so rank 0 may have saved once more before the teardown
+    assert [s["generation"] for s in starts] == [1, 2] and starts[1]["resume_step"] == restart["resume_step"]
+    state = RunState.load(tmp_path / "run")
+    assert state.restarts == 1 and state.incidents[0]["kind"] == "crash" and state.incidents[0]["rank"] == 1
+
+
+def test_death_by_signal_is_a_crash(tmp_path):
+    code, events, _ = _finish(_start(tmp_path / "run", fake=["--steps", "15", "--signal-at", "7",
+                                                             "--fault-generations", "1"]))
+    assert code == 0
+    assert _named(events, "crash")[0]["cause"] == "killed by signal 9"
+
+
+def test_hang_is_detected_stacks_dumped_and_restarted(tmp_path):
+    run = tmp_path / "run"
+    code, events, err = _finish(_start(run, overrides=["health.hang_floor_s=1.5", "health.hang_step_multiplier=5"],
+                                       fake=["--steps", "20", "--hang-at", "8", "--fault-generations", "1"]))
+    assert code == 0, err
+    hang = _named(events, "hang")[0]
+    assert hang["rank"] == 0 and hang["phase"] == "train" and hang["step"] == 8
+    assert 1.5 <= hang["waited_s"] < 4 and hang["timeout_s"] == 1.5
+    print(f"hang detected after {hang['waited_s']} s (timeout {hang['timeout_s']} s)")
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "most recent call first" in log and "fake_worker.py" in log          # faulthandler's dump
+    assert _named(events, "restart")[0]["cause"] == "hang"
+
+
+def test_no_false_alarm_during_a_slow_start(tmp_path):
+    # 2.5 s before the first event, with a 1 s training floor: the start timeout applies, not the floor
+    code, events, _ = _finish(_start(tmp_path / "run", overrides=["health.hang_floor_s=1.0"],
+                                     fake=["--steps", "5", "--start-delay-s", "2.5"]))
+    assert code == 0 and not _named(events, "hang")
+
+
+def test_crash_loop_gives_up_with_3(tmp_path):
+    code, events, _ = _finish(_start(tmp_path / "run", overrides=["health.max_restarts_without_progress=3"],
+                                     fake=["--die-at-start"]))
+    assert code == 3
+    assert len(_named(events, "crash")) == 3 and len(_named(events, "restart")) == 2
+    gave_up = _named(events, "gave_up")[0]
+    assert gave_up["code"] == 3 and gave_up["restarts_without_progress"] == 3
+    assert RunState.load(tmp_path / "run").status == "gave_up"
+
+
+def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, fake=["--steps", "100000", "--step-s", "0.02", "--interval", "100000"], ranks=2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (run / "logs" / "rank-1.log").exists():
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    code, events, err = _finish(proc)
+    assert code == 0, err
+    assert _named(events, "command_sent")[0]["name"] == "stop"
+    assert _named(events, "daemon_exit")[0]["reason"] == "stopped"
+    assert list((run / "checkpoints").glob("step-*")), "no final checkpoint"
+
+
+def test_a_second_daemon_on_the_same_run_exits_5(tmp_path):
+    run = tmp_path / "run"
+    first = _start(run, fake=["--steps", "100000"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (run / "daemon.lock").exists():
+        time.sleep(0.05)
+    time.sleep(0.5)
+    code, events, _ = _finish(_start(run, fake=["--steps", "3"]))
+    first.send_signal(signal.SIGTERM)
+    _finish(first)
+    assert code == 5
+    assert _named(events, "locked")[0]["detail"].startswith("run directory is in use")
+
+
+def test_killed_daemon_orphans_are_cleaned_up_and_the_run_continues(tmp_path):
+    run = tmp_path / "run"
+    first = _start(run, fake=["--steps", "100000", "--interval", "10"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not any((run / "checkpoints").glob("step-*")) \
+            if (run / "checkpoints").exists() else time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = RunState.load(run).processes
+    assert orphans, "the daemon recorded no worker processes"
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    assert all(Path(f"/proc/{o['pid']}").exists() for o in orphans)          # the workers outlived it
+    code, events, err = _finish(_start(run, fake=["--steps", "30", "--interval", "10"]), timeout=60)
+    assert code == 0, err
+    assert _named(events, "orphans_killed")[0]["pids"] == [o["pid"] for o in orphans]
+    assert not any(Path(f"/proc/{o['pid']}").exists() and
+                   "fake_worker" in Path(f"/proc/{o['pid']}/cmdline").read_text() for o in orphans)
+    assert _named(events, "generation_start")[0]["generation"] == 2               # continues the run's count
+    assert _named(events, "generation_start")[0]["resume_step"] >= 10
+
+
+def test_a_worker_config_error_is_passed_on_not_retried(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    code = subprocess.run([sys.executable, "-c", (
+        "import sys; from daemon.supervisor import Supervisor; from engine.config import load_config; "
+        f"cfg = load_config(None, ['run.dir=\"{run}\"']); "
+        "sys.exit(Supervisor(cfg, worker_cmd=[sys.executable, '-c', 'import sys; sys.exit(78)'], "
+        "scheduler_cmd=None).run())")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert code.returncode == 78, code.stderr
+    assert '"worker_error"' in code.stdout
