@@ -1,5 +1,5 @@
 # Two commands for a newcomer on a fresh machine:
-#   make demo   set up the virtual environment, then train on the embedded default (tiny) config
+#   make demo   set up the virtual environment, then run the daemon on the embedded default (tiny) config
 #   make test   set up the virtual environment, then run every test (unit, integration, e2e)
 PYTHON ?= python3
 VENV ?= .venv
@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(BIN)/llm-pretrain train $(ARGS)
+	$(BIN)/llm-pretrain run $(ARGS)
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest
