@@ -1,4 +1,5 @@
-"""Names and paths inside a checkpoint root; fsync helpers.
+"""Names and paths inside a checkpoint root; the durable-file helpers the project shares
+(fsync of a path, atomic replace, sha256 of a file).
 
     <root>/step-00001200/manifest.json
     <root>/step-00001200/shard-00000-of-00002.safetensors
@@ -9,6 +10,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -59,6 +61,14 @@ def fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def write_atomically(path: Path, text: str) -> None:

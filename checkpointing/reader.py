@@ -8,7 +8,6 @@ is used. `LATEST` is only a hint; the directory scan is the truth.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -36,14 +35,6 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def verify(path: Path) -> list[str]:
     """Every problem found with a committed checkpoint (empty: it is complete and intact)."""
     try:
@@ -59,7 +50,7 @@ def verify(path: Path) -> list[str]:
         if file.stat().st_size != shard["size_bytes"]:
             problems.append(f"{file.name}: {file.stat().st_size} bytes, manifest says {shard['size_bytes']}")
             continue
-        if _sha256(file) != shard["sha256"]:
+        if layout.sha256_file(file) != shard["sha256"]:
             problems.append(f"{file.name}: sha256 mismatch (corrupt)")
             continue
         with safe_open(file, framework="numpy") as f:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
+
+from checkpointing.layout import write_atomically
 
 STATE_FILE = "state.json"
 
@@ -39,15 +40,4 @@ class RunState:
 
     def save(self, run_dir: Path) -> None:
         self.updated_unix_s = time.time()
-        path = run_dir / STATE_FILE
-        tmp = run_dir / f".{STATE_FILE}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(dataclasses.asdict(self), f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(run_dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_atomically(run_dir / STATE_FILE, json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True))

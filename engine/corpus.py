@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from checkpointing.layout import fsync_path, sha256_file
 from engine.config import DataError
 
 FORMAT = "llm-pretrain-corpus"
@@ -31,22 +32,6 @@ MANIFEST = "manifest.json"
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _pid_alive(pid: int) -> bool:
@@ -135,8 +120,8 @@ class CorpusWriter:
                     "documents": self.documents, "tokens": self.tokens, "shards": self.shards, "inputs": inputs}
         path = self.tmp / MANIFEST
         path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        _fsync_path(path)
-        _fsync_path(self.tmp)
+        fsync_path(path)
+        fsync_path(self.tmp)
         old = None
         if self.overwrite and self.out.exists():
             old = self.out.parent / f"{self.out.name}.old-{os.getpid()}"
@@ -146,7 +131,7 @@ class CorpusWriter:
         except OSError:
             self.abort()
             raise DataError(f"output {str(self.out)!r} appeared while preparing; left it as it is") from None
-        _fsync_path(self.out.parent)
+        fsync_path(self.out.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         return self.out
@@ -185,7 +170,7 @@ class Corpus:
             if size != expected:
                 raise DataError(f"shard {str(file)!r} is {size} bytes but the manifest says {expected} "
                                 "(truncated or altered); prepare the corpus again")
-            if verify_checksums and _sha256_file(file) != shard["sha256"]:
+            if verify_checksums and sha256_file(file) != shard["sha256"]:
                 raise DataError(f"shard {str(file)!r} fails its sha256 check (altered or corrupt); "
                                 "prepare the corpus again")
             self._maps.append(np.memmap(file, dtype=self.dtype, mode="r", shape=(shard["tokens"],)))
