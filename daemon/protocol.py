@@ -115,6 +115,39 @@ class PhaseEvent(_Event):
 
 PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting")
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LrOverride:
+    """A temporary lr cut: `factor` from `start_step` for `hold_steps`, then a linear ramp back to 1."""
+
+    start_step: int
+    factor: float
+    hold_steps: int
+    ramp_steps: int
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.factor <= 1.0 or self.start_step < 1 or self.hold_steps < 0 or self.ramp_steps < 0:
+            raise ValueError(f"invalid lr override {self}: needs 0 < factor <= 1, start_step >= 1, "
+                             "hold_steps >= 0, ramp_steps >= 0")
+
+    def multiplier(self, step: int) -> float:
+        held_until = self.start_step + self.hold_steps
+        if step < self.start_step:
+            return 1.0
+        if step < held_until:
+            return self.factor
+        if step < held_until + self.ramp_steps:
+            return self.factor + (1.0 - self.factor) * (step - held_until) / self.ramp_steps
+        return 1.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "LrOverride":
+        return cls(**data)
+
+
+
 EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent}
 
 

@@ -208,6 +208,26 @@ class HealthConfig:
     """Incident detection and the recovery policy's limits."""
 
     allow_fault_injection: bool = False  # honour fault drills (`inject` commands) in the workers
+    loss_spike_window_steps: int = 50    # trailing steps whose median and MAD are the baseline
+    loss_spike_mad_k: float = 4.0        # a step is high above median + k x MAD-sigma ...
+    loss_spike_min_rel: float = 0.1      # ... and at least this fraction above the median
+    loss_spike_hold_steps: int = 3       # high steps in a row that make a spike (one bursty batch never does)
+    loss_spike_warmup_steps: int = 100   # steps before spikes are judged (the loss falls fast early on)
+    grad_norm_mad_k: float = 6.0         # the same statistic on the gradient norm
+    grad_norm_action: str = "warn"       # "warn", or "rollback" to treat a grad-norm spike like a loss spike
+    overflow_storm_steps: int = 10       # fp16: skipped steps in a row that make an incident
+    throughput_window_steps: int = 100   # steps whose median tokens/s is compared with the best seen
+    throughput_drop: float = 0.3         # warn when tokens/s falls this fraction below the best
+    loss_stall_steps: int = 2000         # warn when the smoothed loss has not improved for this long
+    loss_stall_min_delta: float = 0.01   # ... by at least this fraction
+    rollback_margin_steps: int = 10      # a checkpoint this close before an incident's start is not healthy
+    lr_cut_factor: float = 0.5           # lr override after a numerical incident; compounds on recurrence
+    lr_hold_steps: int = 200             # the cut holds this long after the resumed step ...
+    lr_ramp_steps: int = 200             # ... then ramps linearly back to 1 over this many
+    lr_floor_factor: float = 0.0625      # a cut that would go below this gives up (exit 4)
+    recur_window_steps: int = 1000       # incidents of a kind this close together count as recurring
+    loss_scale_cut: float = 0.25         # fp16 overflow storm: restart at the storm's starting scale x this ...
+    loss_scale_cap_steps: int = 1000     # ... with growth capped at that scale for this many steps
     hang_floor_s: float = 60.0           # a training rank is hung after max(this, hang_step_multiplier x p99 step time)
     hang_step_multiplier: float = 10.0   # ... without a new step
     hang_start_timeout_s: float = 600.0  # from process start to the first event (imports, cluster forming, restore)
@@ -224,6 +244,21 @@ class HealthConfig:
         _in_range("health.restart_backoff_initial_s", self.restart_backoff_initial_s, 0.0,
                   self.restart_backoff_max_s)
         _at_least("health.max_restarts_without_progress", self.max_restarts_without_progress, 1)
+        for key in ("loss_spike_window_steps", "loss_spike_hold_steps", "overflow_storm_steps",
+                    "throughput_window_steps", "loss_stall_steps"):
+            _at_least(f"health.{key}", getattr(self, key), 1)
+        _at_least("health.loss_spike_warmup_steps", self.loss_spike_warmup_steps, 0)
+        for key in ("loss_spike_mad_k", "grad_norm_mad_k"):
+            _in_range(f"health.{key}", getattr(self, key), 0.0, 1000.0, open_low=True)
+        for key in ("loss_spike_min_rel", "throughput_drop", "loss_stall_min_delta"):
+            _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0)
+        _choice("health.grad_norm_action", self.grad_norm_action, ("warn", "rollback"))
+        for key in ("rollback_margin_steps", "lr_hold_steps", "lr_ramp_steps", "recur_window_steps",
+                    "loss_scale_cap_steps"):
+            _at_least(f"health.{key}", getattr(self, key), 0)
+        for key in ("lr_cut_factor", "loss_scale_cut"):
+            _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0, open_low=True)
+        _in_range("health.lr_floor_factor", self.lr_floor_factor, 0.0, 1.0, open_low=True)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

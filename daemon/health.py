@@ -1,0 +1,159 @@
+"""Detectors that turn the global step stream into incidents and warnings. Pure: no clocks, files
+or processes; the caller feeds step events in order.
+
+- loss spike: the loss above median + k·MAD of the `window` steps before it, and at least
+  `min_rel` above that median, for `hold` consecutive steps, after `warmup` steps. The baseline
+  is frozen when a run of high steps begins, so a spike cannot raise its own baseline; a single
+  bursty batch never makes an incident; a slow drift moves the median with it.
+- grad-norm spike: the same statistic on the gradient norm; a warning unless configured to act.
+- non-finite: in fp32/bf16 any skipped step; in fp16 an overflow storm — `overflow_storm_steps`
+  skipped steps in a row, or a skipped step with the loss scale at its floor.
+- throughput regression and stalled loss: warnings, with their evidence.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import deque
+from typing import Any
+
+MAD_TO_SIGMA = 1.4826   # MAD × this estimates σ for normal noise
+
+
+@dataclasses.dataclass(frozen=True)
+class Incident:
+    kind: str                 # loss_spike, grad_norm_spike, non_finite, overflow_storm, throughput_regression, loss_stalled
+    action_needed: bool       # False: a warning, reported but not acted on
+    first_step: int
+    last_step: int
+    evidence: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class SpikeDetector:
+    """median + k·MAD over a trailing window, held for `hold` consecutive steps."""
+
+    def __init__(self, *, window: int, k: float, min_rel: float, hold: int, warmup: int):
+        self.window, self.k, self.min_rel, self.hold, self.warmup = window, k, min_rel, hold, warmup
+        self.history: deque[tuple[int, float]] = deque(maxlen=window)
+        self.run: list[tuple[int, float]] = []          # the current streak of high steps
+        self.baseline: tuple[float, float] | None = None  # (median, sigma) frozen for the streak
+        self.seen = 0
+
+    def _stats(self) -> tuple[float, float]:
+        values = [v for _, v in self.history]
+        median = statistics.median(values)
+        mad = statistics.median(abs(v - median) for v in values) * MAD_TO_SIGMA
+        return median, max(mad, 1e-6 * abs(median), 1e-12)
+
+    def observe(self, step: int, value: float) -> dict[str, Any] | None:
+        """Returns the evidence of a spike when the streak reaches `hold`, else None."""
+        self.seen += 1
+        if not math.isfinite(value):
+            return None                                     # the non-finite detector's business
+        ready = self.seen > self.warmup and len(self.history) == self.window
+        if ready:
+            median, sigma = self.baseline or self._stats()
+            threshold = max(median + self.k * sigma, median * (1 + self.min_rel))
+            if value > threshold:
+                if not self.run:
+                    self.baseline = (median, sigma)
+                self.run.append((step, value))
+                if len(self.run) == self.hold:
+                    return {"median": median, "sigma": sigma, "threshold": threshold, "k": self.k,
+                            "window_steps": self.window, "hold_steps": self.hold,
+                            "steps": [s for s, _ in self.run], "values": [v for _, v in self.run],
+                            "recent": [v for _, v in list(self.history)[-10:]]}
+                return None
+            # a normal step ends the streak; the streak's values never enter the baseline
+            self.run, self.baseline = [], None
+        self.history.append((step, value))
+        return None
+
+
+class HealthMonitor:
+    """All detectors over one run's global step stream (one rank's events suffice: they are global)."""
+
+    def __init__(self, cfg, *, precision: str, loss_scale_min: float = 1.0):
+        self.cfg, self.precision, self.loss_scale_min = cfg, precision, loss_scale_min
+        self.loss = SpikeDetector(window=cfg.loss_spike_window_steps, k=cfg.loss_spike_mad_k,
+                                  min_rel=cfg.loss_spike_min_rel, hold=cfg.loss_spike_hold_steps,
+                                  warmup=cfg.loss_spike_warmup_steps)
+        self.grad = SpikeDetector(window=cfg.loss_spike_window_steps, k=cfg.grad_norm_mad_k,
+                                  min_rel=cfg.loss_spike_min_rel, hold=cfg.loss_spike_hold_steps,
+                                  warmup=cfg.loss_spike_warmup_steps)
+        self.skipped_run: list[int] = []
+        self.storm_scale: float | None = None
+        self.storm_reported = False
+        self.throughput: deque[float] = deque(maxlen=cfg.throughput_window_steps)
+        self.best_throughput = 0.0
+        self.throughput_warned = False
+        self.smooth: deque[float] = deque(maxlen=cfg.loss_spike_window_steps)
+        self.best_loss = math.inf
+        self.best_loss_step = 0
+        self.stall_warned = False
+
+    def observe(self, event: dict[str, Any]) -> list[Incident]:
+        step, out = event["step"], []
+        out += self._non_finite(event)
+        if event["skipped"]:
+            return out
+        if (ev := self.loss.observe(step, event["loss"])) is not None:
+            out.append(Incident("loss_spike", True, ev["steps"][0], step, ev))
+        if (ev := self.grad.observe(step, event["grad_norm"])) is not None:
+            out.append(Incident("grad_norm_spike", self.cfg.grad_norm_action == "rollback", ev["steps"][0], step, ev))
+        out += self._throughput(event)
+        out += self._stall(event)
+        return out
+
+    def _non_finite(self, event) -> list[Incident]:
+        step = event["step"]
+        if not event["skipped"]:
+            self.skipped_run, self.storm_scale = [], None
+            return []
+        if self.precision != "fp16":
+            return [Incident("non_finite", True, step, step,
+                             {"loss": event["loss"], "grad_norm": event["grad_norm"], "precision": self.precision})]
+        if not self.skipped_run:
+            self.storm_scale, self.storm_reported = event["loss_scale"], False
+        self.skipped_run.append(step)
+        at_floor = event["loss_scale"] <= self.loss_scale_min
+        if self.storm_reported or (len(self.skipped_run) < self.cfg.overflow_storm_steps and not at_floor):
+            return []          # the dynamic scaler handles isolated overflows by itself
+        self.storm_reported = True
+        return [Incident("overflow_storm", True, self.skipped_run[0], step,
+                         {"skipped_in_a_row": len(self.skipped_run), "loss_scale": event["loss_scale"],
+                          "storm_start_scale": self.storm_scale, "at_floor": at_floor})]
+
+    def _throughput(self, event) -> list[Incident]:
+        self.throughput.append(event["tokens_per_s"])
+        if len(self.throughput) < self.throughput.maxlen:
+            return []
+        current = statistics.median(self.throughput)
+        self.best_throughput = max(self.best_throughput, current)
+        if current < (1 - self.cfg.throughput_drop) * self.best_throughput:
+            if not self.throughput_warned:
+                self.throughput_warned = True
+                return [Incident("throughput_regression", False, event["step"], event["step"],
+                                 {"tokens_per_s": current, "best_tokens_per_s": self.best_throughput,
+                                  "drop": 1 - current / self.best_throughput})]
+        else:
+            self.throughput_warned = False
+        return []
+
+    def _stall(self, event) -> list[Incident]:
+        self.smooth.append(event["loss"])
+        if len(self.smooth) < self.smooth.maxlen:
+            return []
+        level = statistics.median(self.smooth)
+        if level < self.best_loss * (1 - self.cfg.loss_stall_min_delta):
+            self.best_loss, self.best_loss_step, self.stall_warned = level, event["step"], False
+        elif event["step"] - self.best_loss_step >= self.cfg.loss_stall_steps and not self.stall_warned:
+            self.stall_warned = True
+            return [Incident("loss_stalled", False, self.best_loss_step, event["step"],
+                             {"best_smoothed_loss": self.best_loss, "now": level,
+                              "steps_without_improvement": event["step"] - self.best_loss_step})]
+        return []

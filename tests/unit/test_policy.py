@@ -1,0 +1,109 @@
+"""The recovery policy, table-driven: (incident, history, config) -> action."""
+import pytest
+
+from daemon.policy import Halt, Restart, Rollback, RunHistory, decide, is_healthy, newest_healthy
+from engine.config import load_config
+
+CFG = load_config(None)           # margin 10, cut 0.5, hold 200, ramp 200, floor 1/16, window 1000
+FP16 = load_config(None, ['train.precision="fp16"'])
+CKPTS = (50, 100, 150, 200, 250)
+RANGES = {s: (8 * (s - 1), 8 * s) for s in range(1, 400)}
+
+
+def spike(first, last=None, kind="loss_spike", **extra):
+    return {"kind": kind, "first_step": first, "last_step": last or first + 2, "action_needed": True, **extra}
+
+
+def test_warnings_need_no_action():
+    assert decide({**spike(100), "action_needed": False}, RunHistory(), CFG) is None
+
+
+@pytest.mark.parametrize("restarts,expected", [(1, Restart), (2, Restart), (3, Halt), (5, Halt)])
+def test_crashes_restart_until_the_crash_loop_limit(restarts, expected):
+    action = decide({"kind": "crash", "first_step": 0, "last_step": 0}, RunHistory(restarts_without_progress=restarts), CFG)
+    assert isinstance(action, expected)
+    if expected is Halt:
+        assert action.code == 3
+
+
+def test_a_spike_rolls_back_before_it_skips_its_window_and_halves_the_lr():
+    action = decide(spike(203, 205), RunHistory(committed_steps=CKPTS, sample_ranges=RANGES), CFG)
+    assert isinstance(action, Rollback)
+    assert action.checkpoint_step == 150            # 200 lies within the 10-step margin before 203
+    assert action.skip == (8 * 202, 8 * 205)        # samples of steps 203..205
+    (override,) = action.lr_overrides
+    assert (override.start_step, override.factor, override.hold_steps, override.ramp_steps) == (151, 0.5, 200, 200)
+
+
+@pytest.mark.parametrize("earlier,factor", [
+    ([], 0.5),
+    ([spike(120)], 0.25),                           # recurrence within 1000 steps compounds
+    ([spike(120), spike(160, kind="non_finite")], 0.125),
+    ([spike(120 - 1500)], 0.5),                     # outside the window: a fresh start
+])
+def test_recurrences_compound_the_lr_cut(earlier, factor):
+    action = decide(spike(300), RunHistory(incidents=earlier, committed_steps=CKPTS, sample_ranges=RANGES), CFG)
+    assert action.lr_overrides[0].factor == factor
+
+
+def test_past_the_lr_floor_it_gives_up_with_4():
+    earlier = [spike(100), spike(150), spike(200), spike(250)]
+    action = decide(spike(300), RunHistory(incidents=earlier, committed_steps=CKPTS), CFG)
+    assert isinstance(action, Halt) and action.code == 4
+
+
+def test_the_rollback_target_is_never_inside_an_earlier_incident():
+    earlier = [spike(145, 160)]                      # checkpoint 150 is inside it, 100 is fine
+    action = decide(spike(175), RunHistory(incidents=earlier, committed_steps=CKPTS, sample_ranges=RANGES), CFG)
+    assert action.checkpoint_step == 100
+
+
+def test_with_no_healthy_checkpoint_it_starts_over():
+    assert decide(spike(40), RunHistory(committed_steps=CKPTS), CFG).checkpoint_step == 0
+
+
+def test_fp32_non_finite_is_handled_like_a_spike():
+    action = decide(spike(180, 180, kind="non_finite"), RunHistory(committed_steps=CKPTS, sample_ranges=RANGES), CFG)
+    assert isinstance(action, Rollback) and action.lr_overrides[0].factor == 0.5 and action.skip == (8 * 179, 8 * 180)
+
+
+def test_fp16_overflow_storm_lowers_the_scale_and_caps_its_growth():
+    storm = spike(180, 189, kind="overflow_storm", evidence={"storm_start_scale": 65536.0})
+    action = decide(storm, RunHistory(committed_steps=CKPTS), FP16)
+    assert isinstance(action, Rollback) and action.lr_overrides == ()
+    assert action.loss_scale == 16384.0 and action.loss_scale < 65536.0
+    assert action.checkpoint_step == 150 and action.loss_scale_cap_until_step == 150 + 1000
+    again = decide(spike(300, 309, kind="overflow_storm", evidence={"storm_start_scale": 65536.0}),
+                   RunHistory(incidents=[storm], committed_steps=CKPTS), FP16)
+    assert again.loss_scale == 4096.0               # compounds
+
+
+def test_fp16_storm_with_no_scale_left_cuts_the_lr_instead():
+    storm = spike(180, 189, kind="overflow_storm", evidence={"storm_start_scale": 2.0})
+    action = decide(storm, RunHistory(committed_steps=CKPTS, sample_ranges=RANGES), FP16)
+    assert action.loss_scale is None and action.lr_overrides[0].factor == 0.5
+
+
+@pytest.mark.parametrize("recompute,micro,accum,expected", [
+    (False, 8, 1, {"train.recompute": True}),
+    (True, 8, 1, {"train.micro_batch": 4, "train.grad_accum_steps": 2}),
+    (True, 2, 4, {"train.micro_batch": 1, "train.grad_accum_steps": 8}),
+    (True, 1, 8, None),
+])
+def test_out_of_memory_ladder(recompute, micro, accum, expected):
+    action = decide({"kind": "oom", "first_step": 10, "last_step": 10},
+                    RunHistory(recompute=recompute, micro_batch=micro, grad_accum_steps=accum), CFG)
+    if expected is None:
+        assert isinstance(action, Halt) and action.code == 3
+    else:
+        assert isinstance(action, Restart) and action.config_changes == expected
+
+
+@pytest.mark.parametrize("step,healthy", [(90, True), (93, False), (100, False), (110, False), (111, True)])
+def test_checkpoint_health_is_derived_from_the_incident_log(step, healthy):
+    assert is_healthy(step, [spike(103, 110)], margin=10) is healthy
+
+
+def test_newest_healthy_is_what_retention_protects():
+    assert newest_healthy(CKPTS, [spike(245, 260)], 10) == 200
+    assert newest_healthy(CKPTS, [], 10, before_step=100) == 50
