@@ -7,7 +7,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
 
 from checkpointing import layout
 from daemon.protocol import Command

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from checkpointing import layout, reader
 from checkpointing.writer import ShardWriter

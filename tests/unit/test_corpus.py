@@ -1,5 +1,4 @@
 """The corpus format: atomic commit, verification on open, the packed token stream and its samples."""
-import json
 
 import numpy as np
 import pytest
