@@ -66,6 +66,8 @@ class Supervisor:
         self.log = EventLog(self.log_dir / "events.jsonl", cfg.run.name, **({"stream": stream} if stream else {}))
         self.commands_path = self.run_dir / "commands.jsonl"
         self.ckpt_root = self.run_dir / "checkpoints"
+        self.world = cfg.parallel.world_size
+        self.local_ranks = self.world // cfg.run.nodes    # ranks this node runs
         self.state = RunState()
         self.signals = 0               # SIGTERM/SIGINT received
         self._seq = 0
@@ -176,9 +178,7 @@ class Supervisor:
         self.log.emit("command_sent", name=name, seq=self._seq, args=args)
 
     def _worker_env(self, rank: int, port: int, sock: Path) -> dict[str, str]:
-        cfg = self.cfg
-        world = cfg.parallel.world_size
-        local = world // cfg.run.nodes
+        cfg, world = self.cfg, self.world
         base = dict(self.env, **{ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands_path.resolve())})
         if cfg.run.compile_cache:
             base.update(MS_COMPILER_CACHE_ENABLE="1",
@@ -187,7 +187,7 @@ class Supervisor:
             base[ENV_GENERATION] = str(self.state.generation)
             return base
         return cluster.process_env(base, role=cluster.WORKER, sched_host=cfg.run.master_addr, sched_port=port,
-                                   worker_num=world, local_worker_num=local, node_id=rank,
+                                   worker_num=world, local_worker_num=self.local_ranks, node_id=rank,
                                    generation=self.state.generation)
 
     def _generation(self) -> dict:
@@ -196,8 +196,7 @@ class Supervisor:
         self.log.generation = self.state.generation
         self._seq = 0
         self.commands_path.write_text("")               # commands are per generation
-        world = cfg.parallel.world_size
-        local = world // cfg.run.nodes
+        world, local = self.world, self.local_ranks
         ranks = range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local)
         port = cfg.run.master_port or cluster.free_port(cfg.run.master_addr)
         sock_path = socket_path(cfg, self.run_dir, self.env)

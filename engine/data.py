@@ -179,13 +179,18 @@ class SyntheticSource:
         return flat.reshape(*np.shape(indices), self.seq_len + 1)
 
 
-def open_source(cfg: Config, corpus_dir: str | Path | None = None) -> CorpusSource | SyntheticSource:
-    """The config's data source; `corpus_dir` is the resolved corpus for data.source = "prepared"."""
+def open_source(cfg: Config) -> CorpusSource | SyntheticSource:
+    """The config's data source; data.path = "" is the embedded corpus, prepared on first use."""
     d = cfg.data
     if d.source == "synthetic":
         return SyntheticSource(vocab_size=cfg.model.vocab_size, seq_len=d.seq_len, seed=d.seed,
                                successors=d.synthetic_successors)
-    corpus = Corpus(corpus_dir if corpus_dir is not None else d.path, verify_checksums=d.verify_checksums)
+    path: str | Path = d.path
+    if not path:
+        from engine.prepare import ensure_default_corpus
+
+        path = ensure_default_corpus()
+    corpus = Corpus(path, verify_checksums=d.verify_checksums)
     if corpus.vocab_size > cfg.model.vocab_size:
         raise DataError(f"corpus {str(corpus.path)!r} has a vocabulary of {corpus.vocab_size} tokens but "
                         f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least that")

@@ -29,7 +29,7 @@ class Trainer:
     """One rank's model, step and data, with the loop that drives them."""
 
     def __init__(self, cfg: Config, rank_info: runtime.RankInfo, *, generation: int = 0,
-                 overrides: Sequence[schedule.LrOverride] = (), skips: Sequence[tuple[int, int]] = (),
+                 overrides: Sequence[schedule.LrOverride] = (),
                  source: data.CorpusSource | data.SyntheticSource | None = None):
         from engine import parallel
         from engine.model import CausalLM
@@ -42,7 +42,7 @@ class Trainer:
         parallel.apply_to_model(self.net, cfg)
         self.step_fn = TrainStep(self.net, cfg, dp=cfg.parallel.dp)
         self.source = source if source is not None else data.open_source(cfg)
-        self.skips = data.merge_ranges(skips)
+        self.skips: list[tuple[int, int]] = []   # global sample ranges never trained on (set_skips)
         self.step = 0                      # optimizer steps completed
         self.cursor = 0                    # data position: the next global sample index
         self._fed: Iterator[FedStep] | None = None
@@ -116,12 +116,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     every checkpoint.interval_steps, on SIGTERM/SIGINT or a `stop`/`checkpoint` command, and at the end.
     Every rank emits its events (steps, phases, checkpoints) as JSON lines and, under the supervisor,
     datagrams; raises CheckpointSaveError if the last save fails."""
-    corpus_dir = None
-    if cfg.data.source == "prepared" and not cfg.data.path:
-        from engine.prepare import ensure_default_corpus
-
-        corpus_dir = str(ensure_default_corpus())
-    source = data.open_source(cfg, corpus_dir)        # bad data fails here, before the cluster forms
+    source = data.open_source(cfg)        # bad data fails here, before the cluster forms
     stop = _StopSignal()
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
     sink = EventSink(out, env.get(ENV_EVENT_SOCKET))
