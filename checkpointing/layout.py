@@ -94,6 +94,25 @@ def retire(root: Path, step: int) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def roll_back(root: Path, target: int) -> list[int]:
+    """Makes `target` the newest checkpoint: every committed step after it is renamed
+    `step-N.rolledback` (never loaded; kept for a person until the next rollback of the same step
+    replaces it). Returns the steps rolled back."""
+    moved = []
+    for step in committed_steps(root):
+        if step <= target:
+            continue
+        dest = root / f"{step_name(step)}.rolledback"
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.rename(step_dir(root, step), dest)
+        moved.append(step)
+    if moved:
+        (root / LATEST).unlink(missing_ok=True)      # a hint only; the scan is the truth
+        fsync_path(root)
+    return moved
+
+
 def remove_temporaries(root: Path) -> list[str]:
     """Deletes in-progress and half-deleted directories a crash left behind; returns their names."""
     removed = []

@@ -14,3 +14,10 @@ def select_for_deletion(steps: Sequence[int], *, keep_last: int, keep_every: int
     if keep_every > 0:
         keep |= {s for s in ordered if s % keep_every == 0}
     return [s for s in ordered if s not in keep]
+
+
+def newest_settled(steps: Sequence[int], *, current_step: int, guard_steps: int) -> set[int]:
+    """The newest step at least `guard_steps` behind `current_step` (empty if none): a checkpoint no
+    incident detected from now on can make unhealthy, so retention must keep it."""
+    settled = [s for s in steps if s <= current_step - guard_steps]
+    return {max(settled)} if settled else set()

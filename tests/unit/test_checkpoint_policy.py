@@ -31,3 +31,11 @@ def test_retention(steps, keep_last, keep_every, protected, deleted):
                                        ("LATEST", None), ("step-12", None)])
 def test_only_committed_directory_names_are_steps(name, step):
     assert layout.parse_step(name) == step
+
+
+@pytest.mark.parametrize("current,expected", [(55, set()), (69, {10}), (71, {20}), (100, {40}), (200, {100})])
+def test_retention_keeps_the_newest_checkpoint_no_later_detection_can_spoil(current, expected):
+    from checkpointing.retention import newest_settled
+
+    # guard 50: an incident found from now on starts at most 50 steps back (detection + margin)
+    assert newest_settled([10, 20, 40, 100], current_step=current, guard_steps=50) == expected
