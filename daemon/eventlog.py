@@ -13,8 +13,13 @@ from typing import Any, TextIO
 
 
 def _clean(value: Any) -> Any:
+    """Strict JSON: non-finite floats become 'nan'/'inf', at any depth."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
     return value
 
 
@@ -28,7 +33,7 @@ class EventLog:
         record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z",
                   "level": level, "event": event, "run": self.run, "generation": self.generation}
         record.update({k: _clean(v) for k, v in fields.items()})
-        line = json.dumps(record, sort_keys=False)
+        line = json.dumps(record, sort_keys=False, allow_nan=False, default=str)
         self._file.write(line + "\n")
         print(line, file=self.stream, flush=True)
 

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 
 def start_ticks(pid: int) -> int | None:
@@ -30,6 +30,7 @@ class Worker:
     rank: int                 # -1 for the scheduler
     popen: subprocess.Popen
     log_path: Path
+    log_start: int = 0        # the log's size when this process started: its own output follows
 
     @property
     def pid(self) -> int:
@@ -41,14 +42,17 @@ class Worker:
 
 
 def spawn(cmd: Sequence[str], *, env: Mapping[str, str], log_path: Path, role: str, rank: int,
-          cwd: str | None = None) -> Worker:
-    """Starts `cmd` as the leader of a new process group (and session), stdout and stderr to `log_path`."""
+          cwd: str | None = None, before_exec: Callable[[], None] | None = None) -> Worker:
+    """Starts `cmd` as the leader of a new process group (and session), stdout and stderr to `log_path`;
+    `before_exec` runs in the child before it execs (joining a memory cgroup)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab", buffering=0)
+    start = log.seek(0, os.SEEK_END)
     popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+                             stdin=subprocess.DEVNULL, start_new_session=True,
+                             preexec_fn=before_exec)
     log.close()
-    return Worker(role=role, rank=rank, popen=popen, log_path=log_path)
+    return Worker(role=role, rank=rank, popen=popen, log_path=log_path, log_start=start)
 
 
 def _signal_group(pgid: int, sig: int) -> None:

@@ -148,6 +148,44 @@ class LrOverride:
 
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Recovery:
+    """What the policy decided for the generations after a rollback, applied by each rank after its
+    restore (the supervisor writes it as `<run.dir>/recovery.json` before each generation).
+
+    Skip ranges and lr overrides are saved in later checkpoints too; applying them again is
+    harmless (skip ranges merge; the override list is the complete list in force). `loss_scale`
+    is set only when the rank restored `checkpoint_step` itself; the scale's growth is capped at
+    `loss_scale_cap` until `loss_scale_cap_until_step`, and uncapped after."""
+
+    checkpoint_step: int                                  # the rollback target (0: from scratch)
+    skip_ranges: tuple[tuple[int, int], ...] = ()         # every global sample range decided so far
+    lr_overrides: tuple[LrOverride, ...] = ()             # the complete list in force
+    loss_scale: float | None = None                       # fp16: restart the target at this scale
+    loss_scale_cap: float | None = None                   # fp16: and grow no higher than this ...
+    loss_scale_cap_until_step: int = 0                    # ... before this step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint_step": self.checkpoint_step, "skip_ranges": [list(r) for r in self.skip_ranges],
+                "lr_overrides": [o.to_dict() for o in self.lr_overrides], "loss_scale": self.loss_scale,
+                "loss_scale_cap": self.loss_scale_cap, "loss_scale_cap_until_step": self.loss_scale_cap_until_step}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Recovery":
+        return cls(checkpoint_step=int(d["checkpoint_step"]),
+                   skip_ranges=tuple((int(a), int(b)) for a, b in d.get("skip_ranges", [])),
+                   lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides", [])),
+                   loss_scale=d.get("loss_scale"), loss_scale_cap=d.get("loss_scale_cap"),
+                   loss_scale_cap_until_step=int(d.get("loss_scale_cap_until_step") or 0))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Recovery":
+        return cls.from_dict(json.loads(text))
+
+
 EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent}
 
 
@@ -155,11 +193,15 @@ EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEve
 ENV_EVENT_SOCKET = "LLM_PRETRAIN_EVENT_SOCKET"   # path of the supervisor's UNIX datagram socket
 ENV_COMMANDS = "LLM_PRETRAIN_COMMANDS"           # path of the commands file
 ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 first
+ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
+ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 
 # Longest path a UNIX socket address holds on Linux (108 bytes with the terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 
 COMMANDS = ("checkpoint", "stop", "inject")
+# Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
+FAULTS = ("nan", "spike", "hang", "crash", "slow", "oom")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -19,5 +19,5 @@ def resolve_run_dir(run: str, env: Mapping[str, str] = os.environ) -> Path:
     for candidate in candidates:
         if candidate.is_dir():
             return candidate
-    tried = ", ".join(str(c) for c in [path, *candidates])
+    tried = ", ".join(dict.fromkeys(str(c) for c in [path, *candidates]))
     raise FileNotFoundError(f"no run {run!r}: tried {tried}")

@@ -1,0 +1,109 @@
+"""The control directory, `<run.dir>/control/`: requests operators drop as files.
+
+Owns: the file grammar and consuming requests. A request is a file named
+`<name>` or `<name>.<anything>` (so requests of one kind can queue), where
+name is one of CONTROL_NAMES; its body is empty (`touch`) or a JSON object
+(a reason; `inject` needs one). Names starting with '.' are ignored (writers
+create a hidden file and rename it, so a request is never read half-written).
+A request read is deleted; a malformed one is renamed `.<file>.rejected` and
+reported; an unknown name is reported once and left alone. Pure file work: the
+supervisor decides what a request does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+CONTROL_NAMES = ("pause", "resume", "checkpoint", "stop", "inject")
+MAX_BODY_BYTES = 65536
+
+
+class ControlDirError(RuntimeError):
+    """The control directory is unsafe or unusable; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    name: str
+    body: dict[str, Any]
+    file: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    file: str
+    reason: str
+
+
+def ensure(control_dir: Path) -> None:
+    """Creates the directory (mode 0750) or checks an existing one: anyone who can write here can
+    stop the run, so a world-writable directory is refused."""
+    control_dir.mkdir(mode=0o750, parents=True, exist_ok=True)
+    mode = control_dir.stat().st_mode
+    if mode & stat.S_IWOTH:
+        raise ControlDirError(f"control directory {control_dir} is world-writable (mode {stat.S_IMODE(mode):o}); "
+                              "chmod o-w it: anyone could stop or pause the run")
+
+
+class ControlDir:
+    def __init__(self, path: Path):
+        self.path = path
+        self._reported: set[str] = set()
+
+    def take(self) -> list[Request | Rejected]:
+        """Consumes the requests present, oldest first; returns them and the rejections."""
+        try:
+            entries = [e for e in os.scandir(self.path) if not e.name.startswith(".") and e.is_file()]
+        except FileNotFoundError:
+            return []
+        out: list[Request | Rejected] = []
+        for entry in sorted(entries, key=lambda e: (e.stat().st_mtime_ns, e.name)):
+            name = entry.name.split(".", 1)[0]
+            if name not in CONTROL_NAMES:
+                if entry.name not in self._reported:
+                    self._reported.add(entry.name)
+                    out.append(Rejected(entry.name, f"unknown control file {entry.name!r}; known: "
+                                                    f"{', '.join(CONTROL_NAMES)} (left alone)"))
+                continue
+            path = Path(entry.path)
+            try:
+                raw = path.read_bytes()[:MAX_BODY_BYTES + 1]
+                body = parse_body(raw)
+            except (OSError, ValueError) as e:
+                path.rename(self.path / f".{entry.name}.rejected")
+                out.append(Rejected(entry.name, f"{e}; renamed .{entry.name}.rejected"))
+                continue
+            path.unlink(missing_ok=True)
+            out.append(Request(name, body, entry.name))
+        return out
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    if len(raw) > MAX_BODY_BYTES:
+        raise ValueError(f"body longer than {MAX_BODY_BYTES} bytes")
+    text = raw.decode("utf-8", errors="strict").strip() if raw else ""
+    if not text:
+        return {}
+    body = json.loads(text)
+    if not isinstance(body, dict):
+        raise ValueError("the body must be empty or a JSON object")
+    return body
+
+
+def write_request(control_dir: Path, name: str, body: dict[str, Any]) -> Path:
+    """What the CLI does: a hidden temporary file, fsynced, renamed to a unique `<name>.<ns>`."""
+    if name not in CONTROL_NAMES:
+        raise ValueError(f"unknown control request {name!r}")
+    final = control_dir / f"{name}.{time.time_ns()}-{os.getpid()}"
+    tmp = control_dir / f".{final.name}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(body, sort_keys=True) if body else "")
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, final)
+    return final
