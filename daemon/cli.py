@@ -14,7 +14,7 @@ import traceback
 from typing import Sequence
 
 from checkpointing import CheckpointError
-from daemon.protocol import ExitCode
+from daemon.protocol import FAULTS, ExitCode
 from engine.config import ConfigError, DataError, config_hash, load_config
 
 
@@ -58,6 +58,17 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
     prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
+
+    inject = sub.add_parser("inject", help="fault drill: ask a running daemon's ranks for a fault (needs "
+                                           "health.allow_fault_injection = true)")
+    inject.add_argument("fault", choices=FAULTS, help="nan: non-finite gradients; spike: a window of shuffled "
+                        "batches; hang; crash (SIGKILL); slow: sleep before each step; oom: exceed the memory limit")
+    inject.add_argument("run", metavar="RUN", help="a run directory, or a run name")
+    inject.add_argument("--rank", type=int, default=0, help="the rank that misbehaves (default 0)")
+    inject.add_argument("--at-step", type=int, metavar="S", help="the first step affected (default: the next)")
+    inject.add_argument("--steps", type=int, metavar="N", help="steps affected (nan 1, spike 8, slow 100)")
+    inject.add_argument("--seconds", type=float, help="hang: how long (default 3600); slow: per step (0.5)")
+    inject.add_argument("--reason", help="a note for the log")
 
     show = sub.add_parser("config", help="validate a config and print it resolved, with its trajectory hash")
     _add_config_args(show)
@@ -104,6 +115,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd).run()
 
 
+def _cmd_inject(args: argparse.Namespace) -> int:
+    from daemon import control
+    from daemon.runs import resolve_run_dir
+
+    for name in ("at_step", "steps"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} = {value} must be >= 1")
+    if args.rank < 0 or (args.seconds is not None and args.seconds < 0):
+        raise ConfigError("--rank and --seconds must not be negative")
+    try:
+        run_dir = resolve_run_dir(args.run)
+    except FileNotFoundError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    control_dir = run_dir / "control"
+    if not control_dir.is_dir():
+        print(f"llm-pretrain: {control_dir} does not exist: has a daemon run here?", file=sys.stderr)
+        return ExitCode.USAGE
+    body = {"fault": args.fault, "rank": args.rank, "at_step": args.at_step, "steps": args.steps,
+            "seconds": args.seconds, "reason": args.reason}
+    path = control.write_request(control_dir, "inject", {k: v for k, v in body.items() if v is not None})
+    print(f"requested: {path} (the daemon's log acknowledges it with a `control` event)")
+    return ExitCode.OK
+
+
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from daemon import checkpoints_cli
 
@@ -119,7 +156,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
-            "checkpoints": _cmd_checkpoints, "run": _cmd_run}
+            "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -38,23 +38,22 @@ class SpikeDetector:
 
     def __init__(self, *, window: int, k: float, min_rel: float, hold: int, warmup: int):
         self.window, self.k, self.min_rel, self.hold, self.warmup = window, k, min_rel, hold, warmup
-        self.history: deque[tuple[int, float]] = deque(maxlen=window)
+        # more than a window is kept, so that after a rollback a full window before it remains
+        self.history: deque[tuple[int, float]] = deque(maxlen=4 * window)
         self.run: list[tuple[int, float]] = []          # the current streak of high steps
         self.baseline: tuple[float, float] | None = None  # (median, sigma) frozen for the streak
-        self.seen = 0
 
     def _stats(self) -> tuple[float, float]:
-        values = [v for _, v in self.history]
+        values = [v for _, v in list(self.history)[-self.window:]]
         median = statistics.median(values)
         mad = statistics.median(abs(v - median) for v in values) * MAD_TO_SIGMA
         return median, max(mad, 1e-6 * abs(median), 1e-12)
 
     def observe(self, step: int, value: float) -> dict[str, Any] | None:
         """Returns the evidence of a spike when the streak reaches `hold`, else None."""
-        self.seen += 1
         if not math.isfinite(value):
             return None                                     # the non-finite detector's business
-        ready = self.seen > self.warmup and len(self.history) == self.window
+        ready = step > self.warmup and len(self.history) >= self.window
         if ready:
             median, sigma = self.baseline or self._stats()
             threshold = max(median + self.k * sigma, median * (1 + self.min_rel))
@@ -72,6 +71,14 @@ class SpikeDetector:
             self.run, self.baseline = [], None
         self.history.append((step, value))
         return None
+
+
+    def rewind(self, step: int) -> None:
+        """The run resumes after `step`: forget what was observed later (it is being replayed)."""
+        kept = [(s, v) for s, v in self.history if s <= step]
+        self.history.clear()
+        self.history.extend(kept)
+        self.run, self.baseline = [], None
 
 
 class HealthMonitor:
@@ -95,6 +102,17 @@ class HealthMonitor:
         self.best_loss = math.inf
         self.best_loss_step = 0
         self.stall_warned = False
+        self.ignore_throughput = 0
+
+    def rewind(self, step: int) -> None:
+        """A new generation resumes after `step`: later observations are replayed, and its first
+        steps include compilation (not a throughput regression)."""
+        self.loss.rewind(step)
+        self.grad.rewind(step)
+        self.skipped_run, self.storm_scale, self.storm_reported = [], None, False
+        self.throughput.clear()
+        self.ignore_throughput = 2
+        self.smooth.clear()
 
     def observe(self, event: dict[str, Any]) -> list[Incident]:
         step, out = event["step"], []
@@ -129,6 +147,9 @@ class HealthMonitor:
                           "storm_start_scale": self.storm_scale, "at_floor": at_floor})]
 
     def _throughput(self, event) -> list[Incident]:
+        if self.ignore_throughput:
+            self.ignore_throughput -= 1
+            return []
         self.throughput.append(event["tokens_per_s"])
         if len(self.throughput) < self.throughput.maxlen:
             return []

@@ -77,8 +77,9 @@ def newest_healthy(committed: Sequence[int], incidents: Sequence[dict[str, Any]]
 
 
 def _recurrences(kinds: Sequence[str], incident: dict[str, Any], history: RunHistory, window: int) -> int:
+    # absolute distance: after a rollback the run replays steps, so a recurrence may start earlier
     return sum(1 for h in history.incidents
-               if h["kind"] in kinds and 0 <= incident["first_step"] - h["first_step"] <= window)
+               if h["kind"] in kinds and abs(incident["first_step"] - h["first_step"]) <= window)
 
 
 def decide(incident: dict[str, Any], history: RunHistory, cfg: Config) -> Action | None:
@@ -120,9 +121,8 @@ def decide(incident: dict[str, Any], history: RunHistory, cfg: Config) -> Action
             return Halt(f"{kind} #{n} within {h.recur_window_steps} steps: an lr cut to x{factor:g} would pass "
                         f"the floor x{h.lr_floor_factor:g}", ExitCode.GAVE_UP_NUMERICS)
         first, last = incident["first_step"], incident["last_step"]
-        skip = None
-        if first in history.sample_ranges and last in history.sample_ranges:
-            skip = (history.sample_ranges[first][0], history.sample_ranges[last][1])
+        seen = [r for step, r in history.sample_ranges.items() if first <= step <= last]
+        skip = (min(a for a, _ in seen), max(b for _, b in seen)) if seen else None
         override = LrOverride(start_step=target + 1, factor=factor, hold_steps=h.lr_hold_steps,
                               ramp_steps=h.lr_ramp_steps)
         return Rollback(f"{kind} #{n}: roll back to step {target}, skip samples {skip}, lr x{factor:g}",

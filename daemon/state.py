@@ -23,8 +23,9 @@ class RunState:
     restarts_without_progress: int = 0   # consecutive restarts with no new committed checkpoint
     last_committed_step: int = 0         # newest committed checkpoint when the last generation began
     status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
-    incidents: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    overrides: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # lr overrides etc. in force
+    incidents: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # with the action taken
+    recovery: dict[str, Any] | None = None    # the policy's directive in force (daemon.protocol.Recovery)
+    config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
     daemon_pid: int = 0
     updated_unix_s: float = 0.0

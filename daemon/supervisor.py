@@ -11,6 +11,17 @@ jittered backoff — by the next generation, which resumes from the newest
 committed checkpoint. K restarts in a row without a new committed checkpoint
 end the daemon with exit 3.
 
+Health: the first local rank's step events (the loss and grad norm are
+global) feed daemon.health's detectors; warnings are logged and recorded, an
+incident that needs action ends the generation at once. Every incident —
+crash, hang, out of memory, loss spike, non-finite, overflow storm — goes
+through daemon.policy.decide; the decision is recorded in state.json before it
+is carried out and logged as one `incident` event with its evidence. A
+rollback renames the checkpoints after its target `step-N.rolledback` and
+writes the recovery directive (skip ranges, lr overrides, loss scale) that
+every later generation's ranks apply after their restore; a restart with
+config changes passes them to the ranks as `--set`.
+
 The worker and scheduler commands are constructor arguments, so the
 integration tests run the real supervisor against a stdlib fake worker.
 Never imports MindSpore.
@@ -18,6 +29,7 @@ Never imports MindSpore.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import socket
@@ -29,15 +41,20 @@ from typing import Mapping, Sequence
 import tenacity
 
 from checkpointing import layout
-from daemon import cluster, hang, processes
+from daemon import actions, cluster, control, device_oom, hang, memcg, policy, processes
 from daemon.eventlog import EventLog
+from daemon.health import HealthMonitor
 from daemon.lock import RunLock
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, MAX_SOCKET_PATH_BYTES, Command,
-                             ExitCode, decode_event)
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_MEMORY_LIMIT, ENV_RECOVERY, FAULTS,
+                             MAX_SOCKET_PATH_BYTES, Command, ExitCode, Recovery, decode_event)
 from daemon.state import RunState
-from engine.config import Config
+from engine.config import Config, ConfigError
 
 TICK_S = 0.1
+CONTROL_EVERY_S = 0.5      # how often the control directory is scanned
+FAILED_GRACE_S = 2.0       # teardown grace after a crash or hang: blocked ranks never handle SIGTERM
+SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
+_PROCESS_FAULTS = ("crash", "hang", "oom")
 # Exit codes after which restarting a worker cannot help: pass them on.
 _FINAL_WORKER_CODES = {ExitCode.USAGE, ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR}
 
@@ -57,7 +74,7 @@ def socket_path(cfg: Config, run_dir: Path, env: Mapping[str, str]) -> Path:
 class Supervisor:
     def __init__(self, cfg: Config, *, worker_cmd: Sequence[str], scheduler_cmd: Sequence[str] | None,
                  env: Mapping[str, str] = os.environ, stream=None):
-        self.cfg = cfg
+        self.base_cfg = self.cfg = cfg          # cfg: base_cfg with the policy's config changes
         self.worker_cmd, self.scheduler_cmd = list(worker_cmd), scheduler_cmd
         self.env = dict(env)
         self.run_dir = cfg.run.resolved_dir(env)
@@ -70,6 +87,12 @@ class Supervisor:
         self.local_ranks = self.world // cfg.run.nodes    # ranks this node runs
         self.state = RunState()
         self.signals = 0               # SIGTERM/SIGINT received
+        self.stop_reason: str | None = None   # a stop asked for by a signal or the control directory
+        self.control = control.ControlDir(self.run_dir / "control")
+        self.monitor = HealthMonitor(cfg.health, precision=cfg.train.precision,
+                                     loss_scale_min=cfg.train.loss_scale_min)
+        self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range (rank 0's view)
+        self.memcg_parent: tuple[int, Path] | None = None
         self._seq = 0
         self._backoff = tenacity.wait_exponential_jitter(initial=cfg.health.restart_backoff_initial_s,
                                                          max=cfg.health.restart_backoff_max_s, jitter=1.0)
@@ -86,16 +109,28 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
             self.state = RunState.load(self.run_dir)
+            try:
+                control.ensure(self.control.path)
+                self.cfg = actions.with_changes(self.base_cfg, self.state.config_changes)
+                if self.cfg.run.worker_memory_limit_bytes:
+                    self.memcg_parent = memcg.locate()
+            except (control.ControlDirError, memcg.CgroupError, ConfigError) as e:
+                self.log.emit("daemon_exit", level="error", code=int(ExitCode.CONFIG_ERROR), reason="config",
+                              detail=str(e))
+                return ExitCode.CONFIG_ERROR
             self._clean_orphans()
             self.state.daemon_pid = os.getpid()
             self.state.save(self.run_dir)
             return self._loop()
         finally:
+            if self.memcg_parent is not None:
+                memcg.remove_tree(self.memcg_parent[1] / f"llm-pretrain-{self.cfg.run.name}")
             lock.release()
             self.log.close()
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
+        self.stop_reason = self.stop_reason or f"signal {signal.Signals(signum).name}"
 
     def _clean_orphans(self) -> None:
         if not self.state.processes:
@@ -127,47 +162,86 @@ class Supervisor:
                 self.log.emit("daemon_exit", level="error", code=outcome["code"], reason="worker_error",
                               detail=outcome["detail"])
                 return outcome["code"]
-            # A crash or a hang: record it, then decide.
-            committed = self._committed_step()
+            code = self._recover(outcome)
+            if code is not None:
+                return code
+
+    def _recover(self, outcome: dict) -> int | None:
+        """An incident ended the generation: record it, decide, persist the decision, carry it out.
+        Returns an exit code when the daemon ends, None to start the next generation."""
+        committed = self._committed_step()
+        incident = dict(outcome["incident"])
+        if incident["kind"] in _PROCESS_FAULTS:
             progressed = committed > self.state.last_committed_step
             self.state.restarts_without_progress = 0 if progressed else self.state.restarts_without_progress + 1
-            self.state.last_committed_step = committed
-            incident = {k: v for k, v in outcome.items() if k != "outcome"}
-            incident.update(kind=kind, generation=self.state.generation, committed_step=committed,
-                            unix_s=time.time())
-            self.state.incidents.append(incident)
-            limit = self.cfg.health.max_restarts_without_progress
-            if self.state.restarts_without_progress >= limit:
-                self.state.status = "gave_up"
-                self.state.save(self.run_dir)
-                self.log.emit("gave_up", level="error", code=int(ExitCode.GAVE_UP_CRASH_LOOP),
-                              restarts_without_progress=self.state.restarts_without_progress,
-                              committed_step=committed, last_incident=incident)
-                self.log.emit("daemon_exit", level="error", code=int(ExitCode.GAVE_UP_CRASH_LOOP),
-                              reason="crash_loop")
-                return ExitCode.GAVE_UP_CRASH_LOOP
+        self.state.last_committed_step = committed
+        action = policy.decide(incident, self._history(), self.cfg)
+        record = {**incident, "generation": self.state.generation, "committed_step": committed,
+                  "unix_s": time.time(), "action": actions.describe(action)}
+        self.state.incidents.append(record)
+        if isinstance(action, policy.Halt):
+            self.state.status = "gave_up"
+            self.state.save(self.run_dir)                   # the decision is on disk before anything else
+            self.log.emit("incident", level="error", **_log_fields(record))
+            self.log.emit("gave_up", level="error", code=int(action.code), reason=action.reason,
+                          restarts_without_progress=self.state.restarts_without_progress,
+                          committed_step=committed, last_incident=record)
+            self.log.emit("daemon_exit", level="error", code=int(action.code),
+                          reason="crash_loop" if action.code == ExitCode.GAVE_UP_CRASH_LOOP else "numerics")
+            return action.code
+        self.state.status = "restarting"
+        if isinstance(action, policy.Restart) and action.config_changes:
+            self.state.config_changes.update(action.config_changes)
+        if isinstance(action, policy.Rollback):
+            previous = Recovery.from_dict(self.state.recovery) if self.state.recovery else None
+            self.state.recovery = actions.merge_recovery(previous, action).to_dict()
+        self.state.save(self.run_dir)                       # the decision is on disk before it is acted on
+        self.log.emit("incident", level="error", **_log_fields(record))
+        if isinstance(action, policy.Restart) and action.config_changes:
+            self.cfg = actions.with_changes(self.base_cfg, self.state.config_changes)
+        resume = committed
+        if isinstance(action, policy.Rollback):
+            moved = layout.roll_back(self.ckpt_root, action.checkpoint_step)
+            resume = self.state.last_committed_step = self._committed_step()
+            self.log.emit("rollback", level="warning", cause=incident["kind"], checkpoint_step=resume,
+                          rolled_back_steps=moved, skip=record["action"]["skip"],
+                          lr_overrides=record["action"]["lr_overrides"], loss_scale=action.loss_scale,
+                          loss_scale_cap_until_step=action.loss_scale_cap_until_step, reason=action.reason)
+            delay = self.cfg.health.restart_backoff_initial_s
+        else:
             delay = self._backoff(_Attempt(self.state.restarts_without_progress + 1))
-            self.state.restarts += 1
-            self.state.status = "restarting"
+        self.state.restarts += 1
+        self.state.save(self.run_dir)
+        self.log.emit("restart", level="warning", cause=incident["kind"], rank=incident.get("rank"),
+                      detail=incident.get("detail") or record["action"]["reason"], resume_step=resume,
+                      backoff_s=round(delay, 3), restarts=self.state.restarts,
+                      restarts_without_progress=self.state.restarts_without_progress,
+                      config_changes=self.state.config_changes or None)
+        if self._sleep(delay):
+            self.state.status = "stopped"
             self.state.save(self.run_dir)
-            self.log.emit("restart", level="warning", cause=kind, rank=outcome.get("rank"),
-                          detail=outcome.get("detail"), resume_step=committed, backoff_s=round(delay, 3),
-                          restarts=self.state.restarts,
-                          restarts_without_progress=self.state.restarts_without_progress)
-            if self._sleep(delay):
-                self.state.status = "stopped"
-                self.state.save(self.run_dir)
-                self.log.emit("daemon_exit", code=0, reason="stopped", detail="stop requested during backoff")
-                return ExitCode.OK
+            self.log.emit("daemon_exit", code=0, reason="stopped", detail="stop requested during backoff")
+            return ExitCode.OK
+        return None
+
+    def _history(self) -> policy.RunHistory:
+        numeric = [i for i in self.state.incidents
+                   if (i.get("action") or {}).get("type") == "rollback"]
+        t = self.cfg.train
+        return policy.RunHistory(incidents=numeric, committed_steps=layout.committed_steps(self.ckpt_root),
+                                 restarts_without_progress=self.state.restarts_without_progress,
+                                 recompute=t.recompute, micro_batch=t.micro_batch,
+                                 grad_accum_steps=t.grad_accum_steps, sample_ranges=self.sample_ranges)
 
     def _sleep(self, seconds: float) -> bool:
-        """Waits, but returns True at once if a stop signal arrives."""
+        """Waits, but returns True at once if a stop is asked for (signal or control file)."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            if self.signals:
+            self._take_control(None)
+            if self.stop_reason:
                 return True
-            time.sleep(min(TICK_S, deadline - time.monotonic()))
-        return bool(self.signals)
+            time.sleep(max(0.0, min(TICK_S, deadline - time.monotonic())))
+        return bool(self.stop_reason)
 
     def _append_command(self, name: str, **args) -> None:
         self._seq += 1
@@ -180,9 +254,12 @@ class Supervisor:
     def _worker_env(self, rank: int, port: int, sock: Path) -> dict[str, str]:
         cfg, world = self.cfg, self.world
         base = dict(self.env, **{ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands_path.resolve())})
+        if self.state.recovery:
+            base[ENV_RECOVERY] = str(self.recovery_path.resolve())
+        if cfg.run.worker_memory_limit_bytes:
+            base[ENV_MEMORY_LIMIT] = str(cfg.run.worker_memory_limit_bytes)
         if cfg.run.compile_cache:
-            base.update(MS_COMPILER_CACHE_ENABLE="1",
-                        MS_COMPILER_CACHE_PATH=str((self.run_dir / "compile_cache").resolve()))
+            base.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=str(self._compile_cache_dir()))
         if world == 1:
             base[ENV_GENERATION] = str(self.state.generation)
             return base
@@ -190,12 +267,47 @@ class Supervisor:
                                    worker_num=world, local_worker_num=self.local_ranks, node_id=rank,
                                    generation=self.state.generation)
 
+    def _compile_cache_dir(self) -> Path:
+        """One cache per graph-shaping config: MindSpore reuses a cached graph of another shape (say,
+        before the policy halved the micro-batch) and then fails with "Parameter[N] has no default
+        param". Keyed by every section but the daemon's own."""
+        shaping = {k: v for k, v in self.cfg.to_dict().items() if k not in ("run", "health", "checkpoint")}
+        key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+        return (self.run_dir / "compile_cache" / key).resolve()
+
+    @property
+    def recovery_path(self) -> Path:
+        return self.run_dir / "recovery.json"
+
+    def _prepare_generation(self) -> int:
+        """Commands file, recovery directive, detectors: ready for a generation; returns its resume step."""
+        self._seq = 0
+        self.commands_path.write_text("")               # commands are per generation
+        if self.state.recovery:
+            layout.write_atomically(self.recovery_path, Recovery.from_dict(self.state.recovery).to_json())
+        else:
+            self.recovery_path.unlink(missing_ok=True)
+        resume = self._committed_step()
+        self.monitor.rewind(resume)
+        return resume
+
+    def _spawn_rank(self, rank: int, port: int, sock_path: Path) -> tuple[processes.Worker, memcg.MemoryCgroup | None]:
+        group = None
+        if self.memcg_parent is not None:
+            group = memcg.MemoryCgroup.create(self.memcg_parent, f"llm-pretrain-{self.cfg.run.name}/"
+                                              f"g{self.state.generation}-rank-{rank}",
+                                              self.cfg.run.worker_memory_limit_bytes)
+        cmd = [*self.worker_cmd, *actions.set_args(self.state.config_changes)]
+        worker = processes.spawn(cmd, env=self._worker_env(rank, port, sock_path), role="rank", rank=rank,
+                                 log_path=self.log_dir / f"rank-{rank}.log",
+                                 before_exec=group.join if group else None)
+        return worker, group
+
     def _generation(self) -> dict:
         cfg = self.cfg
         self.state.generation += 1
         self.log.generation = self.state.generation
-        self._seq = 0
-        self.commands_path.write_text("")               # commands are per generation
+        resume = self._prepare_generation()
         world, local = self.world, self.local_ranks
         ranks = range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local)
         port = cfg.run.master_port or cluster.free_port(cfg.run.master_addr)
@@ -205,6 +317,8 @@ class Supervisor:
         sock.bind(str(sock_path))
         sock.setblocking(False)
         workers: list[processes.Worker] = []
+        groups: dict[int, memcg.MemoryCgroup] = {}
+        outcome: dict = {"outcome": "crash"}
         try:
             if world > 1 and cfg.run.node_rank == 0 and self.scheduler_cmd:
                 sched_env = cluster.process_env(self.env, role=cluster.SCHEDULER, sched_host=cfg.run.master_addr,
@@ -213,24 +327,91 @@ class Supervisor:
                 workers.append(processes.spawn(self.scheduler_cmd, env=sched_env, role="scheduler", rank=-1,
                                                log_path=self.log_dir / "scheduler.log"))
             for rank in ranks:
-                workers.append(processes.spawn(self.worker_cmd, env=self._worker_env(rank, port, sock_path),
-                                               role="rank", rank=rank, log_path=self.log_dir / f"rank-{rank}.log"))
+                worker, group = self._spawn_rank(rank, port, sock_path)
+                workers.append(worker)
+                if group is not None:
+                    groups[rank] = group
             self.state.processes = [w.record() for w in workers]
             self.state.status = "running"
             self.state.save(self.run_dir)
             self.log.emit("generation_start", ranks=list(ranks), port=port,
-                          pids={w.rank: w.pid for w in workers}, resume_step=self._committed_step())
-            return self._watch(workers, sock)
+                          pids={w.rank: w.pid for w in workers}, resume_step=resume,
+                          memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
+                          config_changes=self.state.config_changes or None)
+            outcome = self._watch(workers, sock, groups)
+            return outcome
         finally:
-            processes.stop_all(workers, grace_s=cfg.run.kill_grace_s)
+            # numerical incidents: the ranks' state is being thrown away, kill at once; crashes and
+            # hangs: ranks blocked in a collective never run their SIGTERM handler, keep it short
+            kind = outcome["outcome"]
+            grace = cfg.run.kill_grace_s if kind in ("finished", "stopped", "final_error") else \
+                0.0 if kind == "incident" and outcome["incident"]["kind"] not in _PROCESS_FAULTS else \
+                min(cfg.run.kill_grace_s, FAILED_GRACE_S)
+            processes.stop_all(workers, grace_s=grace)
             self.state.processes = []
             self.state.save(self.run_dir)
             sock.close()
             sock_path.unlink(missing_ok=True)
+            if groups:
+                self.log.emit("generation_end", outcome=kind,
+                              peak_memory_bytes={r: g.peak_bytes() for r, g in groups.items()},
+                              oom_kills={r: g.oom_kills() for r, g in groups.items()})
+                for g in groups.values():
+                    g.remove()
 
-    def _watch(self, workers: list[processes.Worker], sock: socket.socket) -> dict:
+    # The control directory ----------------------------------------------------
+    def _take_control(self, now: float | None) -> None:
+        """Consumes control files (at most every CONTROL_EVERY_S); `now` is None between generations,
+        when there are no ranks to send commands to."""
+        t = time.monotonic()
+        if t - getattr(self, "_control_at", 0.0) < CONTROL_EVERY_S:
+            return
+        self._control_at = t
+        for req in self.control.take():
+            if isinstance(req, control.Rejected):
+                self.log.emit("control_rejected", level="warning", file=req.file, detail=req.reason)
+                continue
+            self.log.emit("control", name=req.name, file=req.file, body=req.body or None)
+            if req.name == "stop":
+                self.stop_reason = self.stop_reason or f"control file {req.file}" + (
+                    f": {req.body['reason']}" if req.body.get("reason") else "")
+            elif now is None:
+                self.log.emit("control_ignored", level="warning", name=req.name,
+                              detail="no ranks are running (between generations)")
+            elif req.name == "checkpoint":
+                self._append_command("checkpoint")
+            elif req.name == "inject":
+                self._forward_inject(req)
+            else:
+                self.log.emit("control_ignored", level="warning", name=req.name,
+                              detail=f"{req.name} is not supported by this version")
+
+    def _forward_inject(self, req: control.Request) -> None:
+        body, h = req.body, self.cfg.health
+        if not h.allow_fault_injection:
+            self.log.emit("control_rejected", level="warning", file=req.file,
+                          detail="fault drills are off: set health.allow_fault_injection = true")
+            return
+        fault, rank = body.get("fault"), body.get("rank", 0)
+        problem = None
+        if fault not in FAULTS:
+            problem = f"fault {fault!r} is not one of {', '.join(FAULTS)}"
+        elif not isinstance(rank, int) or not 0 <= rank < self.world:
+            problem = f"rank {rank!r} is not in [0, {self.world})"
+        elif any(body.get(k) is not None and not isinstance(body[k], (int, float)) or
+                 isinstance(body.get(k), bool) for k in ("at_step", "steps", "seconds")):
+            problem = "at_step, steps and seconds must be numbers"
+        if problem:
+            self.log.emit("control_rejected", level="warning", file=req.file, detail=problem)
+            return
+        self._append_command("inject", **{k: body[k] for k in ("fault", "rank", "at_step", "steps", "seconds")
+                                          if body.get(k) is not None})
+
+    def _watch(self, workers: list[processes.Worker], sock: socket.socket,
+               groups: Mapping[int, memcg.MemoryCgroup]) -> dict:
         cfg = self.cfg
         ranks = [w for w in workers if w.role == "rank"]
+        watched = ranks[0].rank           # its step events feed the detectors (the metrics are global)
         started = time.monotonic()
         progress = {w.rank: hang.RankProgress(since_s=started) for w in ranks}
         steps = hang.StepTimes()
@@ -238,6 +419,7 @@ class Supervisor:
         exits: dict[int, dict] = {}
         stop_sent_at: float | None = None
         last_step_log = 0.0
+        last_step = 0
         while True:
             now = time.monotonic()
             # 1. events
@@ -261,19 +443,27 @@ class Supervisor:
                     if event.rank in first_step_seen:
                         steps.add(event.step_s)
                     first_step_seen.add(event.rank)
-                    if event.rank == ranks[0].rank and now - last_step_log >= 10.0:
+                    if event.rank != watched:
+                        continue
+                    last_step = event.step
+                    if now - last_step_log >= 10.0:
                         last_step_log = now
                         self.log.emit("progress", step=event.step, loss=event.loss, lr=event.lr,
                                       tokens_per_s=round(event.tokens_per_s, 1), skipped=event.skipped)
+                    incident = self._observe(event)
+                    if incident is not None:
+                        incident["last_step"] = max(incident["last_step"], last_step)
+                        return {"outcome": "incident", "incident": incident}
                 elif event.kind == "checkpoint" and event.stage in ("committed", "failed", "quarantined"):
                     self.log.emit(f"checkpoint_{event.stage}", level="info" if event.stage == "committed"
                                   else "error", rank=event.rank, step=event.step, detail=event.detail)
                 elif event.kind == "exit":
                     exits[event.rank] = {"reason": event.reason, "step": event.step}
-            # 2. stop requests
-            if self.signals and stop_sent_at is None:
+            # 2. control files and stop requests
+            self._take_control(now)
+            if self.stop_reason and stop_sent_at is None:
                 stop_sent_at = now
-                self.log.emit("stopping", detail="signal received: checkpoint at the next step, then exit",
+                self.log.emit("stopping", detail=f"{self.stop_reason}: checkpoint at the next step, then exit",
                               timeout_s=cfg.run.stop_timeout_s)
                 self._append_command("stop")
             if stop_sent_at is not None and (self.signals > 1 or now - stop_sent_at > cfg.run.stop_timeout_s):
@@ -289,10 +479,19 @@ class Supervisor:
                 if code in _FINAL_WORKER_CODES:
                     return {"outcome": "final_error", "code": code, "rank": w.rank,
                             "detail": f"rank {w.rank} ended with {cause}; see {w.log_path}"}
+                step = progress[w.rank].step
+                oom = self._oom_evidence(w, code, groups.get(w.rank))
+                if oom is not None:
+                    self.log.emit("oom", level="error", rank=w.rank, step=step, log=str(w.log_path), **oom)
+                    return {"outcome": "incident", "incident": {
+                        "kind": "oom", "rank": w.rank, "exit_code": code, "step": step, "first_step": step,
+                        "last_step": step, "detail": f"rank {w.rank} ran out of memory ({cause})",
+                        "evidence": oom}}
                 self.log.emit("crash", level="error", rank=w.rank, exit_code=code, cause=cause,
-                              step=progress[w.rank].step, log=str(w.log_path))
-                return {"outcome": "crash", "rank": w.rank, "exit_code": code, "step": progress[w.rank].step,
-                        "detail": f"rank {w.rank}: {cause}"}
+                              step=step, log=str(w.log_path))
+                return {"outcome": "incident", "incident": {
+                    "kind": "crash", "rank": w.rank, "exit_code": code, "step": step, "first_step": step,
+                    "last_step": step, "detail": f"rank {w.rank}: {cause}"}}
             if all(w.popen.poll() == 0 for w in ranks):
                 reasons = {e["reason"] for e in exits.values()}
                 kind = "stopped" if stop_sent_at is not None or "stopped" in reasons else "finished"
@@ -307,14 +506,48 @@ class Supervisor:
                     # the stuck rank and those blocked in a collective waiting for it look alike
                     # from here: dump every live rank's stacks
                     self._dump_stacks([r for r in ranks if r.popen.poll() is None])
+                    step = progress[w.rank].step
                     self.log.emit("hang", level="error", rank=w.rank, phase=progress[w.rank].phase,
-                                  step=progress[w.rank].step, waited_s=round(waited, 2), timeout_s=round(limit, 2),
+                                  step=step, waited_s=round(waited, 2), timeout_s=round(limit, 2),
                                   log=str(w.log_path))
-                    return {"outcome": "hang", "rank": w.rank, "phase": progress[w.rank].phase,
-                            "step": progress[w.rank].step, "waited_s": round(waited, 2),
-                            "timeout_s": round(limit, 2), "detail": f"rank {w.rank} made no progress in "
-                            f"{waited:.1f} s ({progress[w.rank].phase}, limit {limit:.1f} s)"}
+                    return {"outcome": "incident", "incident": {
+                        "kind": "hang", "rank": w.rank, "phase": progress[w.rank].phase, "step": step,
+                        "first_step": step, "last_step": step, "waited_s": round(waited, 2),
+                        "timeout_s": round(limit, 2), "detail": f"rank {w.rank} made no progress in "
+                        f"{waited:.1f} s ({progress[w.rank].phase}, limit {limit:.1f} s)"}}
             time.sleep(TICK_S)
+
+    def _oom_evidence(self, worker: processes.Worker, code: int,
+                      group: memcg.MemoryCgroup | None) -> dict | None:
+        """Out of memory, not another crash: a SIGKILL the rank's cgroup counted as an OOM kill, or
+        (Ascend) the device allocator's error in the rank's log."""
+        if code in (-signal.SIGKILL, 128 + signal.SIGKILL) and group is not None and group.oom_kills():
+            return {"signal": "cgroup oom_kill", "limit_bytes": self.cfg.run.worker_memory_limit_bytes,
+                    "oom_kills": group.oom_kills(), "peak_bytes": group.peak_bytes()}
+        if code > 0 and (line := device_oom.oom_line(worker.log_path, worker.log_start)) is not None:
+            return {"signal": "device out of memory in the rank's log", "line": line}
+        return None
+
+    def _observe(self, event) -> dict | None:
+        """One step of the watched rank through the detectors: warnings are logged and recorded; the
+        first incident that needs action is returned."""
+        self.sample_ranges[event.step] = (event.sample_start, event.sample_end)
+        if len(self.sample_ranges) > SAMPLE_RANGES_KEPT:
+            for step in sorted(self.sample_ranges)[:len(self.sample_ranges) - SAMPLE_RANGES_KEPT]:
+                del self.sample_ranges[step]
+        for incident in self.monitor.observe({"step": event.step, "loss": event.loss,
+                                              "grad_norm": event.grad_norm, "loss_scale": event.loss_scale,
+                                              "skipped": event.skipped, "tokens_per_s": event.tokens_per_s}):
+            record = incident.to_dict()
+            if incident.action_needed:
+                self.log.emit("incident_detected", level="error", kind=incident.kind, step=event.step,
+                              first_step=incident.first_step, evidence=incident.evidence)
+                return record
+            record.update(generation=self.state.generation, unix_s=time.time(), action=None)
+            self.state.incidents.append(record)
+            self.state.save(self.run_dir)
+            self.log.emit("health_warning", level="warning", **_log_fields(record))
+        return None
 
     def _dump_stacks(self, workers: Sequence[processes.Worker]) -> None:
         """faulthandler in each worker writes every thread's Python stack to its log on SIGUSR1."""
@@ -324,6 +557,11 @@ class Supervisor:
             except ProcessLookupError:
                 pass
         time.sleep(1.0)
+
+
+def _log_fields(record: dict) -> dict:
+    """An incident record as event fields (`kind` names the incident; `event` is the log's own)."""
+    return {k: v for k, v in record.items() if k not in ("event", "level", "unix_s")}
 
 
 class _Attempt:

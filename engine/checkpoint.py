@@ -20,13 +20,14 @@ import numpy as np
 import safetensors
 
 import checkpointing
-from checkpointing import layout, partition, reader
+from checkpointing import layout, partition, reader, retention
 from checkpointing.writer import ShardWriter
 from daemon.protocol import CheckpointEvent
 from engine import schedule
 from engine.config import Config, ConfigError, config_hash, trajectory_dict
 
 RUN_STATE_VERSION = 1
+TEARDOWN_SLACK_STEPS = 50    # steps a rank may still make between an incident's detection and its teardown
 
 
 def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -47,7 +48,20 @@ class TrainerCheckpoints:
         self.plan = partition.assign(sizes, self.world)
         self._staging: dict[str, np.ndarray] = {}
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
-                                  keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every_steps)
+                                  keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every_steps,
+                                  protected=self.protected)
+
+    def protected(self) -> set[int]:
+        """Checkpoints retention must keep: the newest one old enough that no incident detected from
+        now on can make it unhealthy (an incident is detected at most hold/storm steps after its start,
+        the ranks are stopped within TEARDOWN_SLACK_STEPS more, and a checkpoint within the
+        rollback margin before that start is unhealthy). Checkpoints
+        inside earlier incidents are no longer committed: the rollback renamed them. Called from
+        the writer's thread."""
+        h = self.cfg.health
+        guard = h.rollback_margin_steps + max(h.loss_spike_hold_steps, h.overflow_storm_steps) + TEARDOWN_SLACK_STEPS
+        return retention.newest_settled(layout.committed_steps(self.root), current_step=self.trainer.step,
+                                        guard_steps=guard)
 
     def _emit(self, stage: str, *, step: int, seconds: float = 0.0, error: str = "", steps=(),
               detail: str = "") -> None:

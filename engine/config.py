@@ -275,6 +275,7 @@ class RunConfig:
     stop_timeout_s: float = 300.0  # on stop: wait this long for the final checkpoint, then kill
     kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
     compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
+    worker_memory_limit_bytes: int = 0  # > 0: each rank in its own memory cgroup with this limit (OOM is then told apart)
 
     def __post_init__(self) -> None:
         _at_least("run.nodes", self.nodes, 1)
@@ -282,6 +283,9 @@ class RunConfig:
         _in_range("run.master_port", self.master_port, 0, 65535)
         _in_range("run.stop_timeout_s", self.stop_timeout_s, 0.0, 1e6, open_low=True)
         _in_range("run.kill_grace_s", self.kill_grace_s, 0.0, 3600.0)
+        if self.worker_memory_limit_bytes != 0 and not (1 << 24) <= self.worker_memory_limit_bytes <= (1 << 50):
+            _fail(f"run.worker_memory_limit_bytes = {self.worker_memory_limit_bytes} is out of range; use 0 "
+                  "(no limit) or a byte count from 16777216 (16 MiB) to 2**50")
         if not self.master_addr or any(c.isspace() for c in self.master_addr):
             _fail(f"run.master_addr = {self.master_addr!r} must be a host name or address")
         allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")

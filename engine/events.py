@@ -20,9 +20,11 @@ class EventSink:
             self._sock.setblocking(False)
         self._lock = threading.Lock()
 
-    def emit(self, event) -> None:
+    def emit(self, event, *, log: bool = True) -> None:
+        """`log=False`: the datagram only (per-step events between log intervals)."""
         line = event.to_json()
         with self._lock:
-            print(line, file=self.out, flush=True)
+            if log:
+                print(line, file=self.out, flush=True)
             if self._sock is not None:
                 send_datagram(self._sock, self.socket_path, event)

@@ -17,10 +17,12 @@ from typing import Iterator, Sequence, TextIO
 
 import numpy as np
 
-from daemon.protocol import ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ExitEvent, PhaseEvent, StepEvent
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, ExitEvent, PhaseEvent,
+                             Recovery, StepEvent)
 from engine import data, runtime, schedule
 from engine.config import Config
 from engine.commands import CommandReader
+from engine.drills import Drills
 from engine.events import EventSink
 from engine.feed import FedStep, feed
 
@@ -57,9 +59,11 @@ class Trainer:
         self.skips = data.merge_ranges(skips)
         self._fed = None
 
-    def train_step(self, *, poison: float = 1.0, control: np.ndarray | None = None) -> StepEvent:
+    def train_step(self, *, poison: float = 1.0, control: np.ndarray | None = None,
+                   corrupt: bool = False) -> StepEvent:
         """Runs optimizer step number self.step + 1 and returns its event; `agreed_control` then holds
-        the control vector summed over the ranks."""
+        the control vector summed over the ranks. `corrupt` (a fault drill) replaces this rank's batch
+        by uniformly random token ids, as a corrupt shard would: data the model cannot predict."""
         t = self.cfg.train
         started = time.perf_counter()
         if self._fed is None:
@@ -72,7 +76,11 @@ class Trainer:
             raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
         data_wait_s = time.perf_counter() - started
         lr, multiplier = self.lr(self.step + 1)
-        result = self.step_fn.run(fed.batch, lr, poison=poison, control=control)
+        batch = fed.batch
+        if corrupt:
+            rng = np.random.default_rng(self.step + 1)
+            batch = rng.integers(0, self.cfg.model.vocab_size, size=batch.shape, dtype=batch.dtype)
+        result = self.step_fn.run(batch, lr, poison=poison, control=control)
         step_s = time.perf_counter() - started
         sample_start, sample_end = fed.sample_start, fed.sample_end
         self.step += 1
@@ -84,6 +92,26 @@ class Trainer:
                          lr_multiplier=multiplier, skipped=result.skipped, sample_start=sample_start,
                          sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
                          tokens_per_s=tokens / step_s)
+
+    def apply_recovery(self, recovery: Recovery, restored_step: int) -> None:
+        """The policy's directive after a rollback (see daemon.protocol.Recovery)."""
+        self.set_skips([*self.skips, *recovery.skip_ranges])
+        self.overrides = list(recovery.lr_overrides)
+        scaler = self.step_fn.scaler
+        if not scaler.dynamic:
+            return
+        import mindspore as ms
+
+        if recovery.loss_scale is not None and restored_step == recovery.checkpoint_step:
+            scaler.scale.set_data(ms.Tensor(recovery.loss_scale, ms.float32))
+            scaler.good_steps.set_data(ms.Tensor(0, ms.int32))
+        capped = recovery.loss_scale_cap is not None and self.step < recovery.loss_scale_cap_until_step
+        scaler.cap.set_data(ms.Tensor(recovery.loss_scale_cap if capped else float("inf"), ms.float32))
+
+    def lift_loss_scale_cap(self) -> None:
+        import mindspore as ms
+
+        self.step_fn.scaler.cap.set_data(ms.Tensor(float("inf"), ms.float32))
 
     def params_sha256(self) -> str:
         digest = hashlib.sha256()
@@ -129,8 +157,15 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     from engine.checkpoint import TrainerCheckpoints
 
     ckpt = TrainerCheckpoints(trainer, cfg, cfg.run.resolved_dir(env) / "checkpoints", emit=sink.emit)
-    ckpt.restore_latest(allow_config_change=allow_config_change)
+    restored = ckpt.restore_latest(allow_config_change=allow_config_change)
+    recovery = _read_recovery(env)
+    cap_until = 0
+    if recovery is not None:
+        trainer.apply_recovery(recovery, restored["step"] if restored else 0)
+        if recovery.loss_scale_cap is not None and trainer.step < recovery.loss_scale_cap_until_step:
+            cap_until = recovery.loss_scale_cap_until_step
     commands = CommandReader(env.get(ENV_COMMANDS))
+    drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env)
     applied = 0
     last = min(cfg.train.steps, until_step) if until_step is not None else cfg.train.steps
     interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
@@ -140,13 +175,16 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     while trainer.step < last:
         commands.poll()
         control = np.concatenate([[int(stop.requested)], commands.encode(applied)]).astype(np.int32)
-        event = trainer.train_step(control=control)
+        poison, corrupt = drills.before_step(trainer.step + 1)
+        event = trainer.train_step(control=control, poison=poison, corrupt=corrupt)
         agreed = np.asarray(trainer.agreed_control)
-        if event.step % every == 0 or event.step == last:
-            sink.emit(event)
+        # every step to the supervisor (its health detectors), every log interval to the rank's log
+        sink.emit(event, log=event.step % every == 0 or event.step == last)
+        if cap_until and trainer.step >= cap_until:
+            trainer.lift_loss_scale_cap()
+            cap_until = 0
         stopping = agreed[STOP_SLOT] > 0
         save_now = stopping or event.step == last or (interval and event.step % interval == 0)
-        hang_s = 0.0
         for cmd in commands.agreed(applied, agreed[1:]):
             applied = cmd.seq
             if cmd.name == "stop":
@@ -154,15 +192,13 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
             elif cmd.name == "checkpoint":
                 save_now = True
             elif cmd.name == "inject":
-                hang_s += _fault_drill(cfg, cmd, rank_info.rank)
+                drills.add(cmd.seq, cmd.args, trainer.step)
         if save_now:
             ckpt.save({"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr,
                        "loss_scale": event.loss_scale})
         if stopping:
             reason = "stopped"
             break
-        if hang_s:
-            time.sleep(hang_s)        # a rank alive but not stepping: what the hang detector is for
     phase("checkpoint", trainer.step)
     ok = ckpt.wait()
     phase("exiting", trainer.step)
@@ -174,20 +210,12 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     return end
 
 
-def _fault_drill(cfg: Config, cmd, rank: int) -> float:
-    """An `inject` command; returns seconds to hang. Honoured only with health.allow_fault_injection."""
-    args = cmd.args
-    if not cfg.health.allow_fault_injection:
-        print(f"llm-pretrain: ignoring inject command {cmd.seq}: health.allow_fault_injection = false",
-              file=sys.stderr, flush=True)
-        return 0.0
-    if args.get("rank", rank) != rank:
-        return 0.0
-    if args.get("fault") == "hang":
-        return float(args.get("seconds", 3600.0))
-    print(f"llm-pretrain: ignoring inject command {cmd.seq}: unknown fault {args.get('fault')!r}",
-          file=sys.stderr, flush=True)
-    return 0.0
+def _read_recovery(env) -> Recovery | None:
+    path = env.get(ENV_RECOVERY)
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Recovery.from_json(f.read())
 
 
 class CheckpointSaveError(RuntimeError):

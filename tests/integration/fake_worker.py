@@ -7,8 +7,14 @@ which it resumes. Faults on cue, in chosen generations:
 
     --crash-at STEP      exit 1 after STEP          --signal-at STEP   SIGKILL itself after STEP
     --hang-at STEP       stop stepping after STEP   --die-at-start     exit 1 before any event
+    --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP
+    --hog-at STEP        allocate memory until killed after STEP (an out-of-memory drill)
     --rank-faults R      only rank R misbehaves (default: all)
     --fault-generations G[,G...]   only in these generations (default: all)
+
+It honours the recovery directive (skip ranges move its sample ranges; lr
+overrides set the reported lr multiplier) and ignores `--set` arguments,
+printing them, so tests can see the config changes it was started with.
 """
 import argparse
 import faulthandler
@@ -19,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, CheckpointEvent, Command, ExitEvent,
-                             PhaseEvent, StepEvent, send_datagram)
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, CheckpointEvent, Command,
+                             ExitEvent, PhaseEvent, Recovery, StepEvent, send_datagram)
 
 
 def main() -> int:
@@ -34,6 +40,10 @@ def main() -> int:
     ap.add_argument("--signal-at", type=int)
     ap.add_argument("--hang-at", type=int)
     ap.add_argument("--die-at-start", action="store_true")
+    ap.add_argument("--spike-at", type=int)
+    ap.add_argument("--spike-steps", type=int, default=6)
+    ap.add_argument("--hog-at", type=int)
+    ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
     a = ap.parse_args()
@@ -49,7 +59,10 @@ def main() -> int:
     sock.setblocking(False)
     path = os.environ.get(ENV_EVENT_SOCKET, "")
     emit = lambda e: (send_datagram(sock, path, e), print(e.to_json(), flush=True))
-    print(f"fake worker rank {rank} generation {generation} pid {os.getpid()}", flush=True)
+    print(f"fake worker rank {rank} generation {generation} pid {os.getpid()} sets {a.set}", flush=True)
+    recovery = None
+    if os.environ.get(ENV_RECOVERY) and os.path.exists(os.environ[ENV_RECOVERY]):
+        recovery = Recovery.from_json(Path(os.environ[ENV_RECOVERY]).read_text())
     if faulty and a.die_at_start:
         print("dying at start, as asked", flush=True)
         return 1
@@ -68,12 +81,29 @@ def main() -> int:
     commands_path = os.environ.get(ENV_COMMANDS)
     seen = 0
     reason = "finished"
+    skips = sorted(recovery.skip_ranges) if recovery else []
+    overrides = recovery.lr_overrides if recovery else ()
+
+    def sample_range(n):
+        # 8 samples per step; skipped ranges are stepped over (a stand-in for engine.data)
+        start = 8 * (n - 1)
+        for a_, b_ in skips:
+            if start >= a_:
+                start += b_ - a_
+        return start, start + 8
+
     while step < a.steps:
         time.sleep(a.step_s)
         step += 1
-        emit(StepEvent(rank=rank, generation=generation, step=step, loss=3.0, grad_norm=1.0, loss_scale=1.0,
-                       lr=1e-3, lr_multiplier=1.0, skipped=False, sample_start=8 * (step - 1), sample_end=8 * step,
-                       tokens=512, step_s=a.step_s, data_wait_s=0.0, tokens_per_s=512 / a.step_s))
+        multiplier = 1.0
+        for o in overrides:
+            multiplier *= o.multiplier(step)
+        spiking = faulty and a.spike_at is not None and a.spike_at <= step < a.spike_at + a.spike_steps
+        loss = (3.0 + 0.01 * (step % 7)) * (4.0 if spiking else 1.0)
+        start, end = sample_range(step)
+        emit(StepEvent(rank=rank, generation=generation, step=step, loss=loss, grad_norm=1.0, loss_scale=1.0,
+                       lr=1e-3 * multiplier, lr_multiplier=multiplier, skipped=False, sample_start=start,
+                       sample_end=end, tokens=512, step_s=a.step_s, data_wait_s=0.0, tokens_per_s=512 / a.step_s))
         names = []
         if commands_path and os.path.exists(commands_path):
             for line in Path(commands_path).read_text().splitlines():
@@ -92,6 +122,15 @@ def main() -> int:
             return 1
         if faulty and a.signal_at == step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if faulty and a.hog_at == step:
+            print("allocating until killed, as asked", flush=True)
+            hoard = []
+            for _ in range(16):           # 1 GiB at most: far past the tests' limits
+                block = bytearray(64 << 20)
+                block[::4096] = b"\x01" * len(block[::4096])
+                hoard.append(block)
+            print("not killed: no memory limit?", flush=True)
+            return 1
         if faulty and a.hang_at == step:
             print("hanging, as asked", flush=True)
             while True:

@@ -1,0 +1,149 @@
+"""Issue 6's drills on two real MindSpore ranks (tiny config): a NaN, a poisoned data window, an
+fp16 overflow storm and an out-of-memory kill, each injected for real and recovered from by the
+daemon with no one in the loop; every incident and action in state.json and the event log."""
+import json
+import statistics
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from daemon import memcg
+from daemon.state import RunState
+
+
+def _run(cli, env, tmp_path, corpus, *extra, injects=(), steps, timeout=420):
+    """Queues fault drills with `llm-pretrain inject`, then runs the daemon to its end."""
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True, mode=0o750)
+    for args in injects:
+        done = subprocess.run([*cli, "inject", *args, str(run)], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    sets = [f'data.path="{corpus}"', f"train.steps={steps}", "checkpoint.interval_steps=20", "parallel.dp=2",
+            "train.micro_batch=4", f'run.dir="{run}"', "health.allow_fault_injection=true",
+            "health.restart_backoff_initial_s=0.2", *extra]
+    done = subprocess.run([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    events = [json.loads(l) for l in (run / "logs" / "events.jsonl").read_text().splitlines()]
+    return done, run, events
+
+
+def _named(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def _steps(run: Path, generation: int | None = None) -> dict[int, dict]:
+    """Rank 0's step events by step (of one generation, or the last seen of each step)."""
+    lines = (run / "logs" / "rank-0.log").read_text().splitlines()
+    out = {}
+    for e in (json.loads(l) for l in lines if l.startswith('{"data_wait_s"')):
+        if generation is None or e["generation"] == generation:
+            out[e["step"]] = e
+    return out
+
+
+def _check_recorded(run, events, kind):
+    """The incident and its action are in state.json and in the event log."""
+    state = RunState.load(run)
+    acted = [i for i in state.incidents if i["kind"] == kind and i["action"]]
+    assert acted, f"no {kind} incident with an action in state.json"
+    logged = [e for e in _named(events, "incident") if e["kind"] == kind]
+    assert logged and logged[0]["action"] == acted[0]["action"]
+    assert state.status == "finished"
+    return acted[0]
+
+
+def test_nan_rolls_back_before_it_and_trains_on_with_the_lr_cut(cli, quiet_env, tmp_path, stdlib_corpus):
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, steps=140,
+                             injects=[("nan", "--rank", "1", "--at-step", "80")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    incident = _check_recorded(run, events, "non_finite")
+    action = incident["action"]
+    assert incident["first_step"] == 80 and action["type"] == "rollback"
+    assert action["checkpoint_step"] == 60           # healthy, before 80 - margin 10
+    gen1, gen2 = _steps(run, 1), _steps(run, 2)
+    assert gen1[80]["skipped"] and min(gen2) == 61 and max(gen2) == 140
+    assert all(e["lr_multiplier"] == 0.5 for e in gen2.values())
+    for step in range(61, 80):                       # the cut is in the lr the replayed steps used
+        assert gen2[step]["lr"] == pytest.approx(0.5 * gen1[step]["lr"], rel=1e-6)
+    assert not any(e["skipped"] for e in gen2.values())
+    skip = action["skip"]
+    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2.values())
+
+
+def test_a_poisoned_window_is_rolled_back_skipped_and_the_loss_recovers(cli, quiet_env, tmp_path, stdlib_corpus):
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, steps=300,
+                             injects=[("spike", "--rank", "0", "--at-step", "200", "--steps", "8")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    incident = _check_recorded(run, events, "loss_spike")
+    action = incident["action"]
+    assert incident["first_step"] == 200 and action["type"] == "rollback" and action["checkpoint_step"] < 190
+    gen1, gen2 = _steps(run, 1), _steps(run, 2)
+    poisoned = [gen1[s] for s in range(200, incident["last_step"] + 1)]
+    skip = action["skip"]
+    assert skip == [poisoned[0]["sample_start"], poisoned[-1]["sample_end"]]
+    # the poisoned window is never trained on again
+    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2.values())
+    resumed = action["checkpoint_step"]
+    before = statistics.median(gen1[s]["loss"] for s in range(180, 200))
+    after = statistics.median(gen2[s]["loss"] for s in range(resumed + 81, resumed + 101))
+    print(f"median loss: {before:.4f} before the window, {after:.4f} 100 steps after resuming "
+          f"({after / before - 1:+.1%}); spike {[round(e['loss'], 2) for e in poisoned]}")
+    assert abs(after / before - 1) <= 0.05
+
+
+def test_an_fp16_overflow_storm_restarts_at_a_lower_capped_scale(cli, quiet_env, tmp_path, stdlib_corpus):
+    # the scale doubles after 20 clean steps: left to itself it would be back above the storm's start
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, 'train.precision="fp16"',
+                             "train.loss_scale_window_steps=20", steps=260,
+                             injects=[("nan", "--rank", "0", "--at-step", "150", "--steps", "12")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    incident = _check_recorded(run, events, "overflow_storm")
+    start = incident["evidence"]["storm_start_scale"]
+    action = incident["action"]
+    assert action["type"] == "rollback" and action["loss_scale"] == start * 0.25
+    gen2 = _steps(run, 2)
+    scales = [e["loss_scale"] for e in gen2.values()]
+    print(f"storm began at scale {start:g}; restarted at {scales[0]:g}, at most {max(scales):g} over "
+          f"{len(scales)} steps")
+    assert scales[0] == start * 0.25 and max(scales) <= start * 0.25 < start
+    assert len(gen2) >= 100                           # five growth windows: the cap, not chance, held it
+
+
+def _memcg_available() -> bool:
+    try:
+        memcg.locate()
+        return True
+    except (memcg.CgroupError, OSError):
+        return False
+
+
+OOM_SHAPE = ["data.seq_len=256", "train.global_batch=32", "train.recompute=true", "train.steps=3"]
+
+
+@pytest.mark.skipif(not _memcg_available(), reason="needs a memory cgroup controller (root)")
+def test_out_of_memory_restarts_at_half_the_micro_batch_and_completes(cli, quiet_env, tmp_path, stdlib_corpus):
+    peaks = {}
+    for micro, accum in ((16, 1), (8, 2)):
+        sub = tmp_path / f"measure-{micro}"
+        sub.mkdir()
+        done, _, events = _run(cli, quiet_env, sub, stdlib_corpus, *OOM_SHAPE, f"train.micro_batch={micro}",
+                               f"train.grad_accum_steps={accum}", "run.worker_memory_limit_bytes=17179869184",
+                               steps=3)
+        assert done.returncode == 0, done.stderr[-3000:]
+        peaks[micro] = max(_named(events, "generation_end")[0]["peak_memory_bytes"].values())
+    limit = (peaks[16] + peaks[8]) // 2
+    print(f"peak memory per rank: micro-batch 16 {peaks[16] / 2**20:.0f} MiB, 8 {peaks[8] / 2**20:.0f} MiB; "
+          f"limit {limit / 2**20:.0f} MiB")
+    assert peaks[8] < limit < peaks[16]
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, *OOM_SHAPE, "train.micro_batch=16",
+                             f"run.worker_memory_limit_bytes={limit}", steps=3)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert _named(events, "oom"), "no rank was OOM-killed at micro-batch 16"
+    incident = _check_recorded(run, events, "oom")
+    assert incident["action"]["config_changes"] == {"train.micro_batch": 8, "train.grad_accum_steps": 2}
+    assert "micro-batch 16 -> 8" in incident["action"]["reason"]
+    last = _named(events, "generation_start")[-1]
+    assert last["config_changes"] == {"train.micro_batch": 8, "train.grad_accum_steps": 2}
+    assert _named(events, "daemon_exit")[-1]["reason"] == "finished"
+    assert all(v == 0 for v in _named(events, "generation_end")[-1]["oom_kills"].values())

@@ -1,0 +1,108 @@
+"""The real supervisor acting on incidents, against the stdlib fake worker: a loss spike is rolled
+back with the window skipped and the lr cut; recurrences compound the cut and end in exit 4;
+out-of-memory kills in a real memory cgroup are told from crashes and answered with config changes."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from daemon import memcg
+from daemon.state import RunState
+from tests.integration.test_supervisor import _finish, _named, _start
+
+
+# a spike is judged after 10 steps against the 10 before it
+QUICK_HEALTH = ["health.loss_spike_warmup_steps=10", "health.loss_spike_window_steps=10",
+                "health.rollback_margin_steps=4"]
+
+
+def _steps(log: Path) -> list[dict]:
+    return [json.loads(l) for l in log.read_text().splitlines() if l.startswith("{") and '"kind": "step"' in l]
+
+
+def test_a_loss_spike_is_rolled_back_with_its_window_skipped_and_the_lr_cut(tmp_path):
+    run = tmp_path / "run"
+    code, events, err = _finish(_start(run, overrides=QUICK_HEALTH, fake=[
+        "--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"]))
+    assert code == 0, err
+    incident = _named(events, "incident")[0]
+    assert incident["kind"] == "loss_spike" and incident["first_step"] == 30
+    assert incident["evidence"]["values"][0] > incident["evidence"]["threshold"]
+    action = incident["action"]
+    # newest committed checkpoint before 30 - margin 4 = 26: step 25
+    assert action["type"] == "rollback" and action["checkpoint_step"] == 25
+    assert action["lr_overrides"] == [{"start_step": 26, "factor": 0.5, "hold_steps": 200, "ramp_steps": 200}]
+    skip = action["skip"]
+    assert skip[0] == 8 * 29 and skip[1] >= 8 * 32        # from the first spiking step to the last one seen
+    rollback = _named(events, "rollback")[0]
+    assert 30 in rollback["rolled_back_steps"]
+    assert (run / "checkpoints" / "step-00000030.rolledback").is_dir()
+    assert not (run / "checkpoints" / "step-00000030").exists() or \
+        _named(events, "generation_start")[1]["resume_step"] == 25
+    # the decision was on disk, and the next generation ran with it
+    state = RunState.load(run)
+    assert state.incidents[-1]["action"]["type"] == "rollback" and state.status == "finished"
+    assert state.recovery["skip_ranges"] == [skip]
+    gen2 = [e for e in _steps(run / "logs" / "rank-0.log") if e["generation"] == 2]
+    assert gen2[0]["step"] == 26 and gen2[-1]["step"] == 60
+    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2), "skipped samples seen"
+    assert all(e["lr_multiplier"] == 0.5 for e in gen2)
+
+
+def test_recurring_spikes_compound_the_cut_then_give_up_with_4(tmp_path):
+    run = tmp_path / "run"
+    code, events, err = _finish(_start(run, overrides=[*QUICK_HEALTH, "health.lr_floor_factor=0.25"], fake=[
+        "--steps", "60", "--interval", "5", "--spike-at", "30"]))
+    assert code == 4, err
+    cuts = [i["action"]["lr_overrides"][0]["factor"] for i in _named(events, "incident")
+            if i["action"]["type"] == "rollback"]
+    assert cuts == [0.5, 0.25]
+    assert _named(events, "gave_up")[0]["code"] == 4
+    assert _named(events, "daemon_exit")[-1]["reason"] == "numerics"
+    state = RunState.load(run)
+    assert state.status == "gave_up" and state.incidents[-1]["action"]["type"] == "halt"
+
+
+def _memcg_available() -> bool:
+    try:
+        memcg.locate()
+        return os.geteuid() == 0
+    except (memcg.CgroupError, OSError):
+        return False
+
+
+needs_memcg = pytest.mark.skipif(not _memcg_available(), reason="needs root and a memory cgroup controller")
+
+
+@needs_memcg
+def test_out_of_memory_is_told_from_a_crash_and_answered_with_smaller_batches(tmp_path):
+    run = tmp_path / "run"
+    limit = 200 << 20
+    code, events, err = _finish(_start(run, overrides=[f"run.worker_memory_limit_bytes={limit}"], fake=[
+        "--steps", "20", "--interval", "5", "--hog-at", "7", "--fault-generations", "1,2"]), timeout=120)
+    assert code == 0, err
+    ooms = _named(events, "oom")
+    assert len(ooms) == 2 and ooms[0]["limit_bytes"] == limit and ooms[0]["signal"] == "cgroup oom_kill"
+    actions = [i["action"] for i in _named(events, "incident")]
+    assert [a["config_changes"] for a in actions] == [
+        {"train.recompute": True}, {"train.micro_batch": 4, "train.grad_accum_steps": 2}]
+    ends = _named(events, "generation_end")
+    assert [e["oom_kills"]["0"] for e in ends] == [1, 1, 0]
+    assert 0 < ends[-1]["peak_memory_bytes"]["0"] < limit
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "generation 3" in log and "'train.micro_batch=4'" in log and "'train.grad_accum_steps=2'" in log
+    assert RunState.load(run).config_changes == {"train.recompute": True, "train.micro_batch": 4,
+                                                 "train.grad_accum_steps": 2}
+    cgroup_root = memcg.locate()[1]
+    assert not (cgroup_root / "llm-pretrain-tiny").exists(), "the daemon left its cgroups behind"
+
+
+@needs_memcg
+def test_a_sigkill_under_a_memory_limit_is_still_a_crash(tmp_path):
+    code, events, err = _finish(_start(tmp_path / "run", overrides=["run.worker_memory_limit_bytes=268435456"],
+                                       fake=["--steps", "15", "--signal-at", "7", "--fault-generations", "1"]))
+    assert code == 0, err
+    assert not _named(events, "oom") and _named(events, "crash")[0]["cause"] == "killed by signal 9"
+    assert _named(events, "incident")[0]["action"] == {"type": "restart", "config_changes": {},
+                                                       "reason": "crash: restart from the latest committed checkpoint"}

@@ -1,0 +1,203 @@
+"""The pieces between a decision and the next generation: the recovery directive, rollback of the
+checkpoint directory, control files, fault drills, memory-cgroup discovery, detector rewind."""
+import json
+import os
+
+import pytest
+
+from checkpointing import layout
+from daemon import actions, control, memcg
+from daemon.health import HealthMonitor
+from daemon.policy import Rollback, RunHistory, decide
+from daemon.protocol import LrOverride, Recovery
+from engine.config import ConfigError, load_config
+from engine.drills import Drills
+
+CFG = load_config(None)
+CUT = LrOverride(start_step=51, factor=0.5, hold_steps=200, ramp_steps=200)
+
+
+def _rollback(**kw):
+    base = dict(reason="r", checkpoint_step=50, skip=(400, 424), lr_overrides=(CUT,))
+    return Rollback(**{**base, **kw})
+
+
+def test_recovery_round_trips_through_json():
+    r = Recovery(checkpoint_step=50, skip_ranges=((1, 2), (5, 9)), lr_overrides=(CUT,), loss_scale=1024.0,
+                 loss_scale_cap=1024.0, loss_scale_cap_until_step=1050)
+    assert Recovery.from_json(r.to_json()) == r
+
+
+def test_skip_ranges_accumulate_and_the_lr_list_is_the_policys():
+    first = actions.merge_recovery(None, _rollback())
+    assert first.skip_ranges == ((400, 424),) and first.lr_overrides == (CUT,) and first.loss_scale_cap is None
+    deeper = LrOverride(start_step=31, factor=0.25, hold_steps=200, ramp_steps=200)
+    second = actions.merge_recovery(first, _rollback(checkpoint_step=30, skip=(300, 310), lr_overrides=(deeper,)))
+    assert second.checkpoint_step == 30 and second.skip_ranges == ((400, 424), (300, 310))
+    assert second.lr_overrides == (deeper,)
+
+
+def test_a_storm_keeps_the_lr_cut_in_force_and_a_later_cut_keeps_the_scale_cap():
+    first = actions.merge_recovery(None, _rollback())
+    storm = actions.merge_recovery(first, _rollback(skip=None, lr_overrides=(), loss_scale=4096.0,
+                                                    loss_scale_cap_until_step=1050))
+    assert storm.lr_overrides == (CUT,) and storm.loss_scale == storm.loss_scale_cap == 4096.0
+    later = actions.merge_recovery(storm, _rollback(checkpoint_step=60))
+    assert later.loss_scale is None and later.loss_scale_cap == 4096.0 and later.loss_scale_cap_until_step == 1050
+
+
+def test_config_changes_are_validated_and_become_set_arguments():
+    cfg = actions.with_changes(CFG, {"train.micro_batch": 4, "train.grad_accum_steps": 2, "train.recompute": True})
+    assert (cfg.train.micro_batch, cfg.train.grad_accum_steps, cfg.train.recompute) == (4, 2, True)
+    with pytest.raises(ConfigError, match="global_batch"):
+        actions.with_changes(CFG, {"train.micro_batch": 4})
+    assert actions.set_args({"train.recompute": True, "run.name": "x", "train.micro_batch": 4}) == [
+        "--set", 'run.name="x"', "--set", "train.micro_batch=4", "--set", "train.recompute=true"]
+
+
+def test_roll_back_renames_later_checkpoints_and_replaces_an_older_rolled_back_copy(tmp_path):
+    for step in (10, 20, 30):
+        (layout.step_dir(tmp_path, step)).mkdir()
+        (layout.step_dir(tmp_path, step) / "manifest.json").write_text(str(step))
+    (tmp_path / layout.LATEST).write_text("step-00000030\n")
+    (tmp_path / "step-00000030.rolledback").mkdir()
+    assert layout.roll_back(tmp_path, 10) == [20, 30]
+    assert layout.committed_steps(tmp_path) == [10] and not (tmp_path / layout.LATEST).exists()
+    assert (tmp_path / "step-00000030.rolledback" / "manifest.json").read_text() == "30"
+    assert layout.roll_back(tmp_path, 10) == []
+
+
+def test_control_requests_are_consumed_in_order_and_garbage_is_reported(tmp_path):
+    d = control.ControlDir(tmp_path)
+    (tmp_path / "checkpoint").write_text("")
+    os.utime(tmp_path / "checkpoint", ns=(1, 1))
+    (tmp_path / "stop.2").write_text('{"reason": "maintenance"}')
+    (tmp_path / ".inject.tmp").write_text("half written")
+    (tmp_path / "pause").write_text("[1, 2]")
+    (tmp_path / "frobnicate").write_text("")
+    out = d.take()
+    requests = [(r.name, r.body) for r in out if isinstance(r, control.Request)]
+    assert requests[0] == ("checkpoint", {}) and ("stop", {"reason": "maintenance"}) in requests
+    rejected = {r.file: r.reason for r in out if isinstance(r, control.Rejected)}
+    assert set(rejected) == {"pause", "frobnicate"} and "JSON object" in rejected["pause"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".inject.tmp", ".pause.rejected", "frobnicate"]
+    assert d.take() == []                            # the unknown file is reported once
+
+
+def test_the_cli_writes_requests_that_the_daemon_reads(tmp_path):
+    control.write_request(tmp_path, "inject", {"fault": "nan", "rank": 1})
+    control.write_request(tmp_path, "inject", {"fault": "spike", "rank": 0})
+    bodies = [r.body for r in control.ControlDir(tmp_path).take()]
+    assert bodies == [{"fault": "nan", "rank": 1}, {"fault": "spike", "rank": 0}]
+
+
+def test_a_world_writable_control_directory_is_refused(tmp_path):
+    control.ensure(tmp_path / "control")
+    assert (tmp_path / "control").stat().st_mode & 0o777 == 0o750 & ~_umask()
+    (tmp_path / "control").chmod(0o777)
+    with pytest.raises(control.ControlDirError, match="world-writable"):
+        control.ensure(tmp_path / "control")
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_drills_fire_on_their_steps_on_their_rank_only():
+    logged = []
+    d = Drills(rank=1, allowed=True, env={}, log=logged.append)
+    d.add(1, {"fault": "nan", "rank": 1, "at_step": 12, "steps": 2}, applied_after_step=5)
+    d.add(2, {"fault": "spike", "rank": 1}, applied_after_step=5)          # from the next step, 8 steps
+    d.add(3, {"fault": "nan", "rank": 0}, applied_after_step=5)            # another rank's
+    got = {step: d.before_step(step) for step in range(6, 16)}
+    assert [s for s, (poison, _) in got.items() if poison != poison] == [12, 13]
+    assert [s for s, (_, corrupt) in got.items() if corrupt] == list(range(6, 14))
+    assert d.pending == []
+
+
+def test_drills_are_refused_unless_allowed_and_oom_needs_a_limit():
+    logged = []
+    Drills(rank=0, allowed=False, env={}, log=logged.append).add(1, {"fault": "crash"}, 3)
+    assert "allow_fault_injection = false" in logged[0]
+    d = Drills(rank=0, allowed=True, env={}, log=logged.append)
+    d.add(2, {"fault": "oom", "rank": 0}, 3)
+    d.before_step(4)                                  # no limit: refused, not an allocation
+    assert "without a memory limit" in logged[-1]
+    d.add(3, {"fault": "melt", "rank": 0}, 3)
+    assert "unknown fault 'melt'" in logged[-1]
+
+
+def test_memory_cgroup_discovery_v1_and_v2(tmp_path):
+    v1 = "4:memory:/process_api/abc\n0::/\n"
+    (tmp_path / "memory" / "process_api" / "abc").mkdir(parents=True)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("max")
+    assert memcg.locate(tmp_path, v1) == (1, tmp_path / "memory" / "process_api" / "abc")
+    v2_root = tmp_path / "v2"
+    (v2_root / "system.slice" / "llm-pretrain.service").mkdir(parents=True)
+    (v2_root / "system.slice" / "llm-pretrain.service" / "cgroup.controllers").write_text("cpu io memory pids\n")
+    assert memcg.locate(v2_root, "0::/system.slice/llm-pretrain.service\n") == (
+        2, v2_root / "system.slice" / "llm-pretrain.service")
+    (v2_root / "system.slice" / "llm-pretrain.service" / "cgroup.controllers").write_text("cpu pids\n")
+    with pytest.raises(memcg.CgroupError, match="Delegate=yes"):
+        memcg.locate(v2_root, "0::/system.slice/llm-pretrain.service\n")
+
+
+def test_memory_cgroup_counters_are_read_from_both_formats(tmp_path):
+    (tmp_path / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (tmp_path / "memory.max_usage_in_bytes").write_text("123456\n")
+    assert memcg.MemoryCgroup(1, tmp_path).oom_kills() == 2
+    assert memcg.MemoryCgroup(1, tmp_path).peak_bytes() == 123456
+    (tmp_path / "memory.events").write_text("low 0\nhigh 0\nmax 5\noom 1\noom_kill 1\n")
+    assert memcg.MemoryCgroup(2, tmp_path).oom_kills() == 1
+    assert memcg.MemoryCgroup(2, tmp_path / "gone").peak_bytes() is None
+
+
+def _event(step, loss, **kw):
+    return {"step": step, "loss": loss, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": False,
+            "tokens_per_s": 1000.0, **kw}
+
+
+def test_after_a_rollback_replayed_steps_are_judged_against_the_kept_baseline():
+    m = HealthMonitor(CFG.health, precision="fp32")
+    for step in range(1, 201):
+        assert m.observe(_event(step, 2.0 + 0.01 * (step % 5))) == []
+    assert m.observe(_event(201, 6.0)) == [] and m.observe(_event(202, 6.0)) == []
+    m.rewind(180)                                  # resumed from 180: the half-seen spike is forgotten
+    assert all(s <= 180 for s, _ in m.loss.history) and len(m.loss.history) >= 50
+    for step in range(181, 203):
+        assert m.observe(_event(step, 2.0 + 0.01 * (step % 5))) == []
+    spikes = [i for step in (203, 204, 205) for i in m.observe(_event(step, 6.0))]
+    assert [(i.kind, i.first_step, i.last_step) for i in spikes] == [("loss_spike", 203, 205)]
+
+
+def test_a_recurrence_after_a_rollback_counts_even_if_it_starts_earlier():
+    earlier = [{"kind": "loss_spike", "first_step": 300, "last_step": 303}]
+    history = RunHistory(incidents=earlier, committed_steps=(100, 200), sample_ranges={})
+    action = decide({"kind": "loss_spike", "first_step": 290, "last_step": 292, "action_needed": True}, history, CFG)
+    assert action.lr_overrides[0].factor == 0.25
+
+
+def test_incident_events_are_strict_json_even_with_non_finite_evidence(tmp_path):
+    from daemon.eventlog import EventLog
+    import io
+
+    out = io.StringIO()
+    log = EventLog(tmp_path / "events.jsonl", "r", stream=out)
+    log.emit("incident", evidence={"grad_norm": float("nan"), "values": [float("inf"), 1.0]})
+    log.close()
+    record = json.loads(out.getvalue(), parse_constant=lambda c: pytest.fail(f"non-standard JSON {c}"))
+    assert record["evidence"] == {"grad_norm": "nan", "values": ["inf", 1.0]}
+
+
+def test_a_device_oom_is_read_from_this_process_s_part_of_the_log_only(tmp_path):
+    from daemon.device_oom import oom_line
+
+    log = tmp_path / "rank-0.log"
+    log.write_text("generation 1\n[ERROR] Device(id:0) memory isn't enough and alloc failed, alloc size: 4096\n")
+    start = log.stat().st_size
+    assert "memory isn't enough" in oom_line(log)
+    with open(log, "a") as f:
+        f.write("generation 2\nRuntimeError: Parameter[2] has no default param\n")
+    assert oom_line(log, start) is None
