@@ -70,6 +70,15 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("--seconds", type=float, help="hang: how long (default 3600); slow: per step (0.5)")
     inject.add_argument("--reason", help="a note for the log")
 
+    svc = sub.add_parser("install-service", help="write the systemd units for this virtual environment and config")
+    svc.add_argument("--config", metavar="FILE", help="the config of llm-pretrain.service (validated now); the "
+                     "template llm-pretrain@NAME.service reads /etc/llm-pretrain/NAME.toml")
+    svc.add_argument("--venv", help="the virtual environment llm-pretrain is installed in (default: this one)")
+    svc.add_argument("--user", default="llm-pretrain", help="the unprivileged user the service runs as")
+    svc.add_argument("--dest", default="/etc/systemd/system", help="where unit files go")
+    svc.add_argument("--tmpfiles-dest", default="/etc/tmpfiles.d", help="where the tmpfiles.d entry goes")
+    svc.add_argument("--etc", default="/etc/llm-pretrain", help="configs and the Ascend EnvironmentFile")
+
     show = sub.add_parser("config", help="validate a config and print it resolved, with its trajectory hash")
     _add_config_args(show)
     return parser
@@ -141,6 +150,20 @@ def _cmd_inject(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _cmd_install_service(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from daemon import service
+
+    written = service.install(venv=args.venv or service.default_venv(), config=args.config, user=args.user,
+                              dest=Path(args.dest), tmpfiles_dest=Path(args.tmpfiles_dest), etc_dir=Path(args.etc))
+    for path in written:
+        print(f"wrote {path}")
+    print(f"next: useradd --system --home-dir /var/lib/llm-pretrain {args.user}; systemd-tmpfiles --create; "
+          "systemctl daemon-reload; systemctl enable --now llm-pretrain (or llm-pretrain@NAME)")
+    return ExitCode.OK
+
+
 def _cmd_checkpoints(args: argparse.Namespace) -> int:
     from daemon import checkpoints_cli
 
@@ -156,7 +179,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
-            "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject}
+            "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
+            "install-service": _cmd_install_service}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

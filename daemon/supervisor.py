@@ -45,6 +45,7 @@ from daemon import actions, cluster, control, device_oom, hang, memcg, policy, p
 from daemon.eventlog import EventLog
 from daemon.health import HealthMonitor
 from daemon.lock import RunLock
+from daemon.notify import Notifier
 from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_MEMORY_LIMIT, ENV_RECOVERY, FAULTS,
                              MAX_SOCKET_PATH_BYTES, Command, ExitCode, Recovery, decode_event)
 from daemon.state import RunState
@@ -55,6 +56,7 @@ CONTROL_EVERY_S = 0.5      # how often the control directory is scanned
 FAILED_GRACE_S = 2.0       # teardown grace after a crash or hang: blocked ranks never handle SIGTERM
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
 _PROCESS_FAULTS = ("crash", "hang", "oom")
+_SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
 # Exit codes after which restarting a worker cannot help: pass them on.
 _FINAL_WORKER_CODES = {ExitCode.USAGE, ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR}
 
@@ -93,6 +95,8 @@ class Supervisor:
                                      loss_scale_min=cfg.train.loss_scale_min)
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range (rank 0's view)
         self.memcg_parent: tuple[int, Path] | None = None
+        self.notify = Notifier(self.env)
+        self._status_at = 0.0
         self._seq = 0
         self._backoff = tenacity.wait_exponential_jitter(initial=cfg.health.restart_backoff_initial_s,
                                                          max=cfg.health.restart_backoff_max_s, jitter=1.0)
@@ -121,8 +125,12 @@ class Supervisor:
             self._clean_orphans()
             self.state.daemon_pid = os.getpid()
             self.state.save(self.run_dir)
-            return self._loop()
+            self.notify.ready(f"starting; last committed step {self._committed_step()}")
+            code = self._loop()
+            self.notify.stopping(f"exiting with {int(code)} ({self.state.status})")
+            return code
         finally:
+            self.notify.close()
             if self.memcg_parent is not None:
                 memcg.remove_tree(self.memcg_parent[1] / f"llm-pretrain-{self.cfg.run.name}")
             lock.release()
@@ -212,6 +220,7 @@ class Supervisor:
             delay = self._backoff(_Attempt(self.state.restarts_without_progress + 1))
         self.state.restarts += 1
         self.state.save(self.run_dir)
+        self.notify.status(f"restarting after {incident['kind']} from step {resume} (restart {self.state.restarts})")
         self.log.emit("restart", level="warning", cause=incident["kind"], rank=incident.get("rank"),
                       detail=incident.get("detail") or record["action"]["reason"], resume_step=resume,
                       backoff_s=round(delay, 3), restarts=self.state.restarts,
@@ -237,6 +246,7 @@ class Supervisor:
         """Waits, but returns True at once if a stop is asked for (signal or control file)."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
+            self.notify.tick()
             self._take_control(None)
             if self.stop_reason:
                 return True
@@ -253,7 +263,8 @@ class Supervisor:
 
     def _worker_env(self, rank: int, port: int, sock: Path) -> dict[str, str]:
         cfg, world = self.cfg, self.world
-        base = dict(self.env, **{ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands_path.resolve())})
+        base = {k: v for k, v in self.env.items() if k not in _SYSTEMD_ONLY}   # the daemon speaks for them
+        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands_path.resolve())})
         if self.state.recovery:
             base[ENV_RECOVERY] = str(self.recovery_path.resolve())
         if cfg.run.worker_memory_limit_bytes:
@@ -446,6 +457,10 @@ class Supervisor:
                     if event.rank != watched:
                         continue
                     last_step = event.step
+                    if now - self._status_at >= 2.0:
+                        self._status_at = now
+                        self.notify.status(f"step {event.step}/{cfg.train.steps} loss {event.loss:.4f} "
+                                           f"{event.tokens_per_s:.0f} tokens/s generation {self.state.generation}")
                     if now - last_step_log >= 10.0:
                         last_step_log = now
                         self.log.emit("progress", step=event.step, loss=event.loss, lr=event.lr,
@@ -460,6 +475,7 @@ class Supervisor:
                 elif event.kind == "exit":
                     exits[event.rank] = {"reason": event.reason, "step": event.step}
             # 2. control files and stop requests
+            self.notify.tick(now)
             self._take_control(now)
             if self.stop_reason and stop_sent_at is None:
                 stop_sent_at = now

@@ -14,12 +14,12 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST = ["health.restart_backoff_initial_s=0.1", "health.restart_backoff_max_s=0.5", "run.kill_grace_s=2"]
 
 
-def _start(run_dir, overrides=(), fake=(), ranks=1):
+def _start(run_dir, overrides=(), fake=(), ranks=1, env=None):
     sets = [f'run.dir="{run_dir}"', *FAST, *overrides]
     if ranks > 1:
         sets += [f"parallel.dp={ranks}", f"train.micro_batch={8 // ranks}"]
     args = sum((["--set", s] for s in sets), [])
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "tests.integration.supervise_fake", *args, "--", *fake],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
