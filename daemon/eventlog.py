@@ -1,15 +1,22 @@
-"""The supervisor's structured log: one JSON object per line, to stdout (journald) and events.jsonl.
+"""The supervisor's structured log: structlog JSON lines, to stdout (journald) and events.jsonl.
 
-Every line carries ts, level, event, run and generation, plus the event's own fields.
+One schema for every event: ts (UTC, ISO 8601, milliseconds), level, event,
+run, generation, then the event's own fields (rank and step where they
+apply). Strict JSON: non-finite floats are written 'nan'/'inf' at any depth.
+events.jsonl rotates by size: events.jsonl.1 … .N, the oldest dropped.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Any, TextIO
+
+import structlog
+
+COMMON = ("ts", "level", "event", "run", "generation")
 
 
 def _clean(value: Any) -> Any:
@@ -23,19 +30,69 @@ def _clean(value: Any) -> Any:
     return value
 
 
-class EventLog:
-    def __init__(self, path: Path, run: str, stream: TextIO = sys.stdout):
+class RotatingTee:
+    """structlog's logger: each rendered line to the stream and to a size-rotated file."""
+
+    def __init__(self, path: Path, stream: TextIO, *, max_bytes: int, backups: int):
+        self.path, self.stream, self.max_bytes, self.backups = path, stream, max_bytes, backups
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)
-        self.stream, self.run, self.generation = stream, run, 0
 
-    def emit(self, event: str, level: str = "info", **fields: Any) -> None:
-        record = {"ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + f".{int(time.time() * 1000) % 1000:03d}Z",
-                  "level": level, "event": event, "run": self.run, "generation": self.generation}
-        record.update({k: _clean(v) for k, v in fields.items()})
-        line = json.dumps(record, sort_keys=False, allow_nan=False, default=str)
+    def _rotate(self) -> None:
+        self._file.close()
+        for i in range(self.backups - 1, 0, -1):
+            older = self.path.with_name(f"{self.path.name}.{i}")
+            if older.exists():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+        if self.backups > 0:
+            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+        else:
+            self.path.unlink(missing_ok=True)
+        self._file = open(self.path, "a", buffering=1)
+
+    def msg(self, line: str) -> None:
+        if self.max_bytes and self._file.tell() + len(line) + 1 > self.max_bytes and self._file.tell() > 0:
+            self._rotate()
         self._file.write(line + "\n")
         print(line, file=self.stream, flush=True)
 
+    debug = info = warning = error = critical = msg
+
     def close(self) -> None:
         self._file.close()
+
+
+def _timestamp(_, __, event_dict: dict) -> dict:
+    import datetime
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    event_dict["ts"] = now.strftime("%Y-%m-%dT%H:%M:%S.") + f"{now.microsecond // 1000:03d}Z"
+    return event_dict
+
+
+def _schema(_, method: str, event_dict: dict) -> dict:
+    """The common fields first, in their order; the rest cleaned to strict JSON."""
+    ordered = {k: event_dict.pop(k) for k in COMMON if k in event_dict}
+    ordered.update({k: _clean(v) for k, v in event_dict.items()})
+    return ordered
+
+
+class EventLog:
+    def __init__(self, path: Path, run: str, stream: TextIO = sys.stdout, *, max_bytes: int = 64 << 20,
+                 backups: int = 5):
+        self._sink = RotatingTee(path, stream, max_bytes=max_bytes, backups=backups)
+        self.run, self.generation = run, 0
+        self._log = structlog.wrap_logger(
+            self._sink, processors=[structlog.processors.add_log_level, _timestamp, _schema,
+                                    structlog.processors.JSONRenderer(serializer=_dumps)],
+            context_class=dict, cache_logger_on_first_use=False)
+
+    def emit(self, event: str, level: str = "info", **fields: Any) -> None:
+        getattr(self._log, level)(event, **{"run": self.run, "generation": self.generation, **fields})
+
+    def close(self) -> None:
+        self._sink.close()
+
+
+def _dumps(obj: Any, **kw: Any) -> str:
+    return json.dumps(obj, allow_nan=False, default=str)

@@ -82,7 +82,8 @@ class Supervisor:
         self.run_dir = cfg.run.resolved_dir(env)
         self.log_dir = cfg.run.resolved_log_dir(env)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.log = EventLog(self.log_dir / "events.jsonl", cfg.run.name, **({"stream": stream} if stream else {}))
+        self.log = EventLog(self.log_dir / "events.jsonl", cfg.run.name, **({"stream": stream} if stream else {}),
+                            max_bytes=cfg.run.log_max_bytes, backups=cfg.run.log_backups)
         self.commands_path = self.run_dir / "commands.jsonl"
         self.ckpt_root = self.run_dir / "checkpoints"
         self.world = cfg.parallel.world_size

@@ -275,6 +275,8 @@ class RunConfig:
     stop_timeout_s: float = 300.0  # on stop: wait this long for the final checkpoint, then kill
     kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
     compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
+    log_max_bytes: int = 67108864  # events.jsonl rotates past this size (0: never) ...
+    log_backups: int = 5           # ... keeping this many old files (events.jsonl.1 is the newest)
     worker_memory_limit_bytes: int = 0  # > 0: each rank in its own memory cgroup with this limit (OOM is then told apart)
 
     def __post_init__(self) -> None:
@@ -283,6 +285,8 @@ class RunConfig:
         _in_range("run.master_port", self.master_port, 0, 65535)
         _in_range("run.stop_timeout_s", self.stop_timeout_s, 0.0, 1e6, open_low=True)
         _in_range("run.kill_grace_s", self.kill_grace_s, 0.0, 3600.0)
+        _at_least("run.log_max_bytes", self.log_max_bytes, 0)
+        _in_range("run.log_backups", self.log_backups, 0, 1000)
         if self.worker_memory_limit_bytes != 0 and not (1 << 24) <= self.worker_memory_limit_bytes <= (1 << 50):
             _fail(f"run.worker_memory_limit_bytes = {self.worker_memory_limit_bytes} is out of range; use 0 "
                   "(no limit) or a byte count from 16777216 (16 MiB) to 2**50")
