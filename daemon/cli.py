@@ -70,6 +70,27 @@ def build_parser() -> argparse.ArgumentParser:
     inject.add_argument("--seconds", type=float, help="hang: how long (default 3600); slow: per step (0.5)")
     inject.add_argument("--reason", help="a note for the log")
 
+    status = sub.add_parser("status", help="a run's state, step, loss, speed, ETA, restarts, last incident")
+    status.add_argument("run", metavar="RUN", help="a run directory, or a run name")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+
+    logs = sub.add_parser("logs", help="a run's daemon events, pretty-printed and filtered")
+    logs.add_argument("run", metavar="RUN", help="a run directory, or a run name")
+    logs.add_argument("--follow", "-f", action="store_true", help="keep printing new events (across rotations)")
+    logs.add_argument("--level", choices=("debug", "info", "warning", "error", "critical"),
+                      help="this level and above")
+    logs.add_argument("--event", action="append", default=[], help="only these event names; repeatable")
+    logs.add_argument("--rank", type=int, help="only events about this rank")
+    logs.add_argument("--json", action="store_true", help="the JSON lines as they are")
+
+    for name, text in (("pause", "checkpoint, then hold every rank at the same step"),
+                       ("resume", "continue a paused run"),
+                       ("checkpoint", "checkpoint now and keep training"),
+                       ("stop", "checkpoint, then end the daemon with exit 0")):
+        ctl = sub.add_parser(name, help=f"{text} (a file in the run's control directory)")
+        ctl.add_argument("run", metavar="RUN", help="a run directory, or a run name")
+        ctl.add_argument("--reason", help="a note for the log")
+
     svc = sub.add_parser("install-service", help="write the systemd units for this virtual environment and config")
     svc.add_argument("--config", metavar="FILE", help="the config of llm-pretrain.service (validated now); the "
                      "template llm-pretrain@NAME.service reads /etc/llm-pretrain/NAME.toml")
@@ -122,6 +143,67 @@ def _cmd_run(args: argparse.Namespace) -> int:
         worker_cmd += ["--set", override]
     scheduler_cmd = [sys.executable, "-m", "engine.scheduler"]
     return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd).run()
+
+
+def _control_dir(run: str):
+    from daemon.runs import resolve_run_dir
+
+    control_dir = resolve_run_dir(run) / "control"
+    if not control_dir.is_dir():
+        raise FileNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
+    return control_dir
+
+
+def _cmd_control(args: argparse.Namespace) -> int:
+    from daemon import control
+
+    try:
+        control_dir = _control_dir(args.run)
+    except FileNotFoundError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    path = control.write_request(control_dir, args.command, {"reason": args.reason} if args.reason else {})
+    print(f"requested: {path} (acknowledged by a `control` event in the run's log)")
+    return ExitCode.OK
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from daemon import status_cli
+    from daemon.runs import resolve_run_dir
+
+    try:
+        run_dir = resolve_run_dir(args.run)
+    except FileNotFoundError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    s = status_cli.summary(run_dir)
+    print(json.dumps(s, indent=2) if args.json else status_cli.render(s))
+    return ExitCode.OK
+
+
+def _cmd_logs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from daemon import status_cli
+    from daemon.runs import resolve_run_dir
+    from daemon.state import RunState
+
+    try:
+        run_dir = resolve_run_dir(args.run)
+    except FileNotFoundError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    log_dir = Path(RunState.load(run_dir).log_dir or run_dir / "logs")
+    path = log_dir / "events.jsonl"
+    if not path.exists():
+        print(f"llm-pretrain: no {path} yet: has a daemon run here?", file=sys.stderr)
+        return ExitCode.USAGE
+    try:
+        status_cli.logs(path, follow=args.follow, level=args.level, events=args.event, rank=args.rank,
+                        as_json=args.json)
+    except BrokenPipeError:
+        pass
+    return ExitCode.OK
 
 
 def _cmd_inject(args: argparse.Namespace) -> int:
@@ -180,7 +262,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
             "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
-            "install-service": _cmd_install_service}
+            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs,
+            "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

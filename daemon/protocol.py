@@ -199,7 +199,7 @@ ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a mem
 # Longest path a UNIX socket address holds on Linux (108 bytes with the terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 
-COMMANDS = ("checkpoint", "stop", "inject")
+COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release")
 # Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
 FAULTS = ("nan", "spike", "hang", "crash", "slow", "oom")
 

@@ -97,6 +97,9 @@ class Supervisor:
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range (rank 0's view)
         self.memcg_parent: tuple[int, Path] | None = None
         self.notify = Notifier(self.env)
+        self.pause: str | None = None        # None, "pausing", "paused", "releasing" (this generation)
+        self.paused_at = 0.0
+        self.resume_requested = False        # a resume request while the ranks are released
         self._status_at = 0.0
         self._seq = 0
         self._backoff = tenacity.wait_exponential_jitter(initial=cfg.health.restart_backoff_initial_s,
@@ -125,6 +128,8 @@ class Supervisor:
                 return ExitCode.CONFIG_ERROR
             self._clean_orphans()
             self.state.daemon_pid = os.getpid()
+            self.state.total_steps = self.cfg.train.steps
+            self.state.log_dir = str(self.log_dir.resolve())
             self.state.save(self.run_dir)
             self.notify.ready(f"starting; last committed step {self._committed_step()}")
             code = self._loop()
@@ -165,6 +170,11 @@ class Supervisor:
                 self.state.save(self.run_dir)
                 self.log.emit("daemon_exit", code=0, reason=kind, step=outcome.get("step"))
                 return ExitCode.OK
+            if kind == "released":
+                code = self._wait_for_resume()
+                if code is not None:
+                    return code
+                continue
             if kind == "final_error":
                 self.state.status = "failed"
                 self.state.save(self.run_dir)
@@ -232,6 +242,24 @@ class Supervisor:
             self.state.save(self.run_dir)
             self.log.emit("daemon_exit", code=0, reason="stopped", detail="stop requested during backoff")
             return ExitCode.OK
+        return None
+
+    def _wait_for_resume(self) -> int | None:
+        """The ranks were released while paused: hold until a resume (None: start the next generation)
+        or a stop (exit 0)."""
+        self.state.status = "paused"
+        self.state.save(self.run_dir)
+        self.notify.status(f"paused at step {self._committed_step()}; ranks released")
+        self.log.emit("released", step=self._committed_step(),
+                      detail="paused past run.pause_release_after_s: ranks stopped; `resume` restarts them")
+        self.resume_requested = False
+        while not self.resume_requested:
+            if self._sleep(1.0):
+                self.state.status = "stopped"
+                self.state.save(self.run_dir)
+                self.log.emit("daemon_exit", code=0, reason="stopped", detail="stop requested while paused")
+                return ExitCode.OK
+        self.log.emit("resuming", step=self._committed_step())
         return None
 
     def _history(self) -> policy.RunHistory:
@@ -319,6 +347,7 @@ class Supervisor:
         cfg = self.cfg
         self.state.generation += 1
         self.log.generation = self.state.generation
+        self.pause = None
         resume = self._prepare_generation()
         world, local = self.world, self.local_ranks
         ranks = range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local)
@@ -356,7 +385,7 @@ class Supervisor:
             # numerical incidents: the ranks' state is being thrown away, kill at once; crashes and
             # hangs: ranks blocked in a collective never run their SIGTERM handler, keep it short
             kind = outcome["outcome"]
-            grace = cfg.run.kill_grace_s if kind in ("finished", "stopped", "final_error") else \
+            grace = cfg.run.kill_grace_s if kind in ("finished", "stopped", "final_error", "released") else \
                 0.0 if kind == "incident" and outcome["incident"]["kind"] not in _PROCESS_FAULTS else \
                 min(cfg.run.kill_grace_s, FAILED_GRACE_S)
             processes.stop_all(workers, grace_s=grace)
@@ -388,15 +417,31 @@ class Supervisor:
                 self.stop_reason = self.stop_reason or f"control file {req.file}" + (
                     f": {req.body['reason']}" if req.body.get("reason") else "")
             elif now is None:
-                self.log.emit("control_ignored", level="warning", name=req.name,
-                              detail="no ranks are running (between generations)")
+                if req.name == "resume" and self.state.status == "paused":
+                    self.resume_requested = True
+                else:
+                    self.log.emit("control_ignored", level="warning", name=req.name,
+                                  detail="no ranks are running (between generations)")
             elif req.name == "checkpoint":
                 self._append_command("checkpoint")
             elif req.name == "inject":
                 self._forward_inject(req)
-            else:
-                self.log.emit("control_ignored", level="warning", name=req.name,
-                              detail=f"{req.name} is not supported by this version")
+            elif req.name == "pause":
+                if self.pause is None:
+                    self.pause = "pausing"
+                    self.state.status = "pausing"
+                    self.state.save(self.run_dir)
+                    self._append_command("pause")
+                else:
+                    self.log.emit("control_ignored", level="warning", name="pause", detail=f"already {self.pause}")
+            elif req.name == "resume":
+                if self.pause in ("pausing", "paused"):
+                    self.pause = None
+                    self.state.status = "running"
+                    self.state.save(self.run_dir)
+                    self._append_command("resume")
+                else:
+                    self.log.emit("control_ignored", level="warning", name="resume", detail="not paused")
 
     def _forward_inject(self, req: control.Request) -> None:
         body, h = req.body, self.cfg.health
@@ -449,7 +494,16 @@ class Supervisor:
                     continue
                 p.since_s = now
                 if event.kind == "phase":
-                    p.phase = event.phase
+                    p.phase, p.step = event.phase, event.step or p.step
+                    if event.phase == "paused" and self.pause == "pausing" and \
+                            all(q.phase == "paused" for q in progress.values()):
+                        self.pause, self.paused_at = "paused", now
+                        self.state.status = "paused"
+                        self.state.save(self.run_dir)
+                        steps_at = {r: q.step for r, q in progress.items()}
+                        self.log.emit("paused", step=event.step, rank_steps=steps_at,
+                                      release_after_s=cfg.run.pause_release_after_s)
+                        self.notify.status(f"paused at step {event.step}")
                 elif event.kind == "step":
                     p.phase, p.step = "train", event.step
                     if event.rank in first_step_seen:
@@ -462,10 +516,14 @@ class Supervisor:
                         self._status_at = now
                         self.notify.status(f"step {event.step}/{cfg.train.steps} loss {event.loss:.4f} "
                                            f"{event.tokens_per_s:.0f} tokens/s generation {self.state.generation}")
-                    if now - last_step_log >= 10.0:
+                    if now - last_step_log >= 10.0 or event.step == cfg.train.steps:
                         last_step_log = now
                         self.log.emit("progress", step=event.step, loss=event.loss, lr=event.lr,
                                       tokens_per_s=round(event.tokens_per_s, 1), skipped=event.skipped)
+                        self.state.last_progress = {"step": event.step, "loss": event.loss, "lr": event.lr,
+                                                    "tokens": event.tokens,
+                                                    "tokens_per_s": event.tokens_per_s, "unix_s": time.time()}
+                        self.state.save(self.run_dir)
                     incident = self._observe(event)
                     if incident is not None:
                         incident["last_step"] = max(incident["last_step"], last_step)
@@ -483,6 +541,9 @@ class Supervisor:
                 self.log.emit("stopping", detail=f"{self.stop_reason}: checkpoint at the next step, then exit",
                               timeout_s=cfg.run.stop_timeout_s)
                 self._append_command("stop")
+            if self.pause == "paused" and now - self.paused_at > cfg.run.pause_release_after_s:
+                self.pause = "releasing"
+                self._append_command("release")
             if stop_sent_at is not None and (self.signals > 1 or now - stop_sent_at > cfg.run.stop_timeout_s):
                 self.log.emit("stop_forced", level="warning",
                               detail="second signal" if self.signals > 1 else "stop timeout passed")
@@ -511,7 +572,8 @@ class Supervisor:
                     "last_step": step, "detail": f"rank {w.rank}: {cause}"}}
             if all(w.popen.poll() == 0 for w in ranks):
                 reasons = {e["reason"] for e in exits.values()}
-                kind = "stopped" if stop_sent_at is not None or "stopped" in reasons else "finished"
+                kind = "stopped" if stop_sent_at is not None or "stopped" in reasons else \
+                    "released" if "released" in reasons else "finished"
                 return {"outcome": kind, "step": max((e["step"] for e in exits.values()), default=None)}
             # 4. hangs
             for w in ranks:

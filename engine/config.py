@@ -274,6 +274,7 @@ class RunConfig:
     master_port: int = 0           # the scheduler's port; 0 = a free port, fresh each generation (single node)
     stop_timeout_s: float = 300.0  # on stop: wait this long for the final checkpoint, then kill
     kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
+    pause_release_after_s: float = 600.0  # paused this long: stop the ranks to free the devices (resume restarts them)
     compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
     log_max_bytes: int = 67108864  # events.jsonl rotates past this size (0: never) ...
     log_backups: int = 5           # ... keeping this many old files (events.jsonl.1 is the newest)
@@ -285,6 +286,7 @@ class RunConfig:
         _in_range("run.master_port", self.master_port, 0, 65535)
         _in_range("run.stop_timeout_s", self.stop_timeout_s, 0.0, 1e6, open_low=True)
         _in_range("run.kill_grace_s", self.kill_grace_s, 0.0, 3600.0)
+        _in_range("run.pause_release_after_s", self.pause_release_after_s, 0.0, 1e7)
         _at_least("run.log_max_bytes", self.log_max_bytes, 0)
         _in_range("run.log_backups", self.log_backups, 0, 1000)
         if self.worker_memory_limit_bytes != 0 and not (1 << 24) <= self.worker_memory_limit_bytes <= (1 << 50):

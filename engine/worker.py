@@ -184,6 +184,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
             trainer.lift_loss_scale_cap()
             cap_until = 0
         stopping = agreed[STOP_SLOT] > 0
+        pausing = False
         save_now = stopping or event.step == last or (interval and event.step % interval == 0)
         for cmd in commands.agreed(applied, agreed[1:]):
             applied = cmd.seq
@@ -191,6 +192,8 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
                 stopping = save_now = True
             elif cmd.name == "checkpoint":
                 save_now = True
+            elif cmd.name == "pause":
+                pausing = save_now = event.step < last
             elif cmd.name == "inject":
                 drills.add(cmd.seq, cmd.args, trainer.step)
         if save_now:
@@ -199,6 +202,16 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         if stopping:
             reason = "stopped"
             break
+        if pausing:
+            # every rank agreed on this step; the checkpoint is committed before holding, so
+            # the supervisor may release the devices at any time and resume from it
+            ckpt.wait()
+            phase("paused", trainer.step)
+            outcome, applied = _hold(commands, applied, stop)
+            if outcome != "resume":
+                reason = "stopped" if outcome == "stop" else "released"
+                break
+            phase("train", trainer.step)
     phase("checkpoint", trainer.step)
     ok = ckpt.wait()
     phase("exiting", trainer.step)
@@ -208,6 +221,21 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     if not ok:
         raise CheckpointSaveError(f"the checkpoint of step {trainer.step} could not be saved: {ckpt.writer.last_error}")
     return end
+
+
+def _hold(commands: CommandReader, applied: int, stop: _StopSignal, poll_s: float = 0.1) -> tuple[str, int]:
+    """Paused: no steps, no collectives. Every rank reads the same commands file, so every rank
+    leaves on the same command: resume (train on), stop, or release (the supervisor frees the
+    devices; the run resumes from the pause checkpoint in a later generation)."""
+    while True:
+        if stop.requested:
+            return "stop", applied
+        commands.poll()
+        for seq in sorted(s for s in commands.commands if s > applied):
+            applied = seq
+            if commands.commands[seq].name in ("resume", "stop", "release"):
+                return commands.commands[seq].name, applied
+        time.sleep(poll_s)
 
 
 def _read_recovery(env) -> Recovery | None:

@@ -1,0 +1,153 @@
+"""`llm-pretrain status RUN` and `llm-pretrain logs RUN`: what an operator reads.
+
+status: one table (or --json) from state.json, the checkpoint directory and
+the daemon's lock — state, step, loss, tokens/s, ETA, generation, restarts,
+last incident and its action, last checkpoint. logs: events.jsonl pretty-
+printed, filtered by level, event and rank, optionally followed across
+rotations. Reads only; never needs the daemon to answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+from checkpointing import layout
+from daemon.state import RunState
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _daemon_alive(state: RunState) -> bool:
+    if not state.daemon_pid:
+        return False
+    try:
+        os.kill(state.daemon_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    state = RunState.load(run_dir)
+    alive = _daemon_alive(state)
+    status = state.status if alive or state.status not in ("running", "restarting", "paused") else \
+        f"{state.status} (daemon not running)"
+    p = state.last_progress or {}
+    eta_s = None
+    if p.get("tokens_per_s") and p.get("tokens") and state.total_steps and alive:
+        eta_s = (state.total_steps - p["step"]) * p["tokens"] / p["tokens_per_s"]
+    steps = layout.committed_steps(run_dir / "checkpoints")
+    last_ckpt = None
+    if steps:
+        path = layout.step_dir(run_dir / "checkpoints", steps[-1])
+        last_ckpt = {"step": steps[-1], "age_s": round(now - path.stat().st_mtime, 1)}
+    incident = state.incidents[-1] if state.incidents else None
+    return {"run_dir": str(run_dir), "status": status, "daemon_pid": state.daemon_pid if alive else None,
+            "step": p.get("step"), "total_steps": state.total_steps or None, "loss": p.get("loss"),
+            "tokens_per_s": p.get("tokens_per_s"), "eta_s": eta_s,
+            "progress_age_s": round(now - p["unix_s"], 1) if p.get("unix_s") else None,
+            "generation": state.generation, "restarts": state.restarts,
+            "last_incident": None if incident is None else {
+                "kind": incident["kind"], "first_step": incident.get("first_step"),
+                "action": (incident.get("action") or {}).get("type"),
+                "reason": (incident.get("action") or {}).get("reason") or incident.get("detail")},
+            "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
+            "config_changes": state.config_changes or None,
+            "recovery": state.recovery}
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(seconds)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def render(s: dict[str, Any]) -> str:
+    step = "-" if s["step"] is None else f"{s['step']}" + (f" / {s['total_steps']}" if s["total_steps"] else "")
+    if s["progress_age_s"] is not None:
+        step += f"  ({_duration(s['progress_age_s'])} ago)"
+    inc = s["last_incident"]
+    ckpt = s["last_checkpoint"]
+    rows = [("run", s["run_dir"]),
+            ("state", s["status"] + (f" (pid {s['daemon_pid']})" if s["daemon_pid"] else "")),
+            ("step", step),
+            ("loss", "-" if s["loss"] is None else f"{s['loss']:.4f}"),
+            ("tokens/s", "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"),
+            ("ETA", _duration(s["eta_s"])),
+            ("generation", str(s["generation"])),
+            ("restarts", str(s["restarts"])),
+            ("last incident", "none" if inc is None else
+             f"{inc['kind']} at step {inc['first_step']} -> {inc['action'] or 'warning'}: {inc['reason'] or ''}"),
+            ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
+    if s["config_changes"]:
+        rows.append(("config changes", ", ".join(f"{k}={v}" for k, v in s["config_changes"].items())))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# logs ---------------------------------------------------------------------
+def _matches(record: dict, *, level: str | None, events: list[str], rank: int | None) -> bool:
+    if level and LEVELS.index(record.get("level", "info")) < LEVELS.index(level):
+        return False
+    if events and record.get("event") not in events:
+        return False
+    return rank is None or record.get("rank") == rank
+
+
+def pretty(record: dict) -> str:
+    head = f"{record.get('ts', '')}  {record.get('level', ''):<7}  g{record.get('generation', '')}  " \
+           f"{record.get('event', '')}"
+    rest = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in record.items()
+                    if k not in ("ts", "level", "event", "run", "generation"))
+    return f"{head}  {rest}"
+
+
+def _lines(path: Path, follow: bool, poll_s: float = 0.25) -> Iterator[str]:
+    """Lines of events.jsonl (rotated files first, oldest first), then — following — new ones, across
+    rotations (a new inode or a smaller file means the file was rotated)."""
+    for i in range(1000, 0, -1):
+        rotated = path.with_name(f"{path.name}.{i}")
+        if rotated.exists() and not follow:
+            yield from rotated.read_text().splitlines()
+    f = open(path)
+    inode = os.fstat(f.fileno()).st_ino
+    partial = ""
+    while True:
+        chunk = f.read()
+        if chunk:
+            *complete, partial = (partial + chunk).split("\n")
+            yield from complete
+            continue
+        if not follow:
+            if partial:
+                yield partial
+            return
+        time.sleep(poll_s)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if st.st_ino != inode or st.st_size < f.tell():
+            f.close()
+            f = open(path)
+            inode = os.fstat(f.fileno()).st_ino
+
+
+def logs(log_path: Path, *, follow: bool, level: str | None, events: list[str], rank: int | None,
+         as_json: bool, out: TextIO = sys.stdout) -> None:
+    for line in _lines(log_path, follow):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if _matches(record, level=level, events=events, rank=rank):
+            print(line if as_json else pretty(record), file=out, flush=True)
