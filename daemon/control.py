@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,46 @@ class ControlDir:
     def __init__(self, path: Path):
         self.path = path
         self._reported: set[str] = set()
+        self._changed = threading.Event()
+        self._observer = None
+
+    def watch(self) -> str:
+        """Starts a `watchdog` observer (inotify; a polling observer where inotify is unavailable)
+        that flags new files; returns which one runs. The caller still scans now and then."""
+        from watchdog.events import FileSystemEventHandler
+        from watchdog.observers import Observer
+        from watchdog.observers.polling import PollingObserver
+
+        changed = self._changed
+
+        class _Flag(FileSystemEventHandler):
+            def on_any_event(self, event) -> None:
+                changed.set()
+
+        for kind in (Observer, PollingObserver):
+            try:
+                observer = kind()
+                observer.schedule(_Flag(), str(self.path), recursive=False)
+                observer.daemon = True
+                observer.start()
+                self._observer = observer
+                return kind.__name__
+            except OSError:
+                continue
+        return "none"
+
+    def changed(self) -> bool:
+        """True (once) if the observer saw something since the last call."""
+        if self._changed.is_set():
+            self._changed.clear()
+            return True
+        return False
+
+    def close(self) -> None:
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=2)
+            self._observer = None
 
     def take(self) -> list[Request | Rejected]:
         """Consumes the requests present, oldest first; returns them and the rejections."""

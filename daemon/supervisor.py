@@ -45,6 +45,7 @@ from daemon import actions, cluster, control, device_oom, hang, memcg, policy, p
 from daemon.eventlog import EventLog
 from daemon.health import HealthMonitor
 from daemon.lock import RunLock
+from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_MEMORY_LIMIT, ENV_RECOVERY, FAULTS,
                              MAX_SOCKET_PATH_BYTES, Command, ExitCode, Recovery, decode_event)
@@ -52,7 +53,7 @@ from daemon.state import RunState
 from engine.config import Config, ConfigError
 
 TICK_S = 0.1
-CONTROL_EVERY_S = 0.5      # how often the control directory is scanned
+CONTROL_EVERY_S = 2.0      # the control directory is scanned when watchdog flags it, and at least this often
 FAILED_GRACE_S = 2.0       # teardown grace after a crash or hang: blocked ranks never handle SIGTERM
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
 _PROCESS_FAULTS = ("crash", "hang", "oom")
@@ -97,6 +98,7 @@ class Supervisor:
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range (rank 0's view)
         self.memcg_parent: tuple[int, Path] | None = None
         self.notify = Notifier(self.env)
+        self.metrics = Metrics(cfg.run.name)
         self.pause: str | None = None        # None, "pausing", "paused", "releasing" (this generation)
         self.paused_at = 0.0
         self.resume_requested = False        # a resume request while the ranks are released
@@ -119,10 +121,12 @@ class Supervisor:
             self.state = RunState.load(self.run_dir)
             try:
                 control.ensure(self.control.path)
+                watcher = self.control.watch()
+                metrics_port = self._start_metrics()
                 self.cfg = actions.with_changes(self.base_cfg, self.state.config_changes)
                 if self.cfg.run.worker_memory_limit_bytes:
                     self.memcg_parent = memcg.locate()
-            except (control.ControlDirError, memcg.CgroupError, ConfigError) as e:
+            except (control.ControlDirError, memcg.CgroupError, ConfigError, MetricsPortError) as e:
                 self.log.emit("daemon_exit", level="error", code=int(ExitCode.CONFIG_ERROR), reason="config",
                               detail=str(e))
                 return ExitCode.CONFIG_ERROR
@@ -131,16 +135,41 @@ class Supervisor:
             self.state.total_steps = self.cfg.train.steps
             self.state.log_dir = str(self.log_dir.resolve())
             self.state.save(self.run_dir)
+            self.log.emit("daemon_start", pid=os.getpid(), run_dir=str(self.run_dir.resolve()),
+                          control_watcher=watcher, last_committed_step=self._committed_step(),
+                          metrics=f"http://127.0.0.1:{metrics_port}/metrics" if metrics_port else None)
             self.notify.ready(f"starting; last committed step {self._committed_step()}")
             code = self._loop()
             self.notify.stopping(f"exiting with {int(code)} ({self.state.status})")
             return code
         finally:
+            self.metrics.close()
+            self.control.close()
             self.notify.close()
             if self.memcg_parent is not None:
                 memcg.remove_tree(self.memcg_parent[1] / f"llm-pretrain-{self.cfg.run.name}")
             lock.release()
             self.log.close()
+
+    def _start_metrics(self) -> int | None:
+        run = self.cfg.run
+        steps = layout.committed_steps(self.ckpt_root)
+        if steps:
+            self.metrics.update(last_checkpoint_unix_s=layout.step_dir(self.ckpt_root, steps[-1]).stat().st_mtime,
+                                step=steps[-1])
+        self.metrics.update(restarts=self.state.restarts, generation=self.state.generation)
+        for incident in self.state.incidents:
+            self.metrics.count_incident(incident["kind"])
+        if run.metrics_textfile:
+            self.metrics.textfile(Path(run.metrics_textfile))
+            self.metrics.flush(force=True)
+        if not run.metrics_port:
+            return None
+        try:
+            return self.metrics.serve(run.metrics_port)
+        except OSError as e:
+            raise MetricsPortError(f"run.metrics_port = {run.metrics_port}: cannot listen on 127.0.0.1: "
+                                   f"{e.strerror or e}") from e
 
     def _on_signal(self, signum, frame) -> None:
         self.signals += 1
@@ -194,6 +223,7 @@ class Supervisor:
             progressed = committed > self.state.last_committed_step
             self.state.restarts_without_progress = 0 if progressed else self.state.restarts_without_progress + 1
         self.state.last_committed_step = committed
+        self.metrics.count_incident(incident["kind"])
         action = policy.decide(incident, self._history(), self.cfg)
         record = {**incident, "generation": self.state.generation, "committed_step": committed,
                   "unix_s": time.time(), "action": actions.describe(action)}
@@ -231,6 +261,7 @@ class Supervisor:
             delay = self._backoff(_Attempt(self.state.restarts_without_progress + 1))
         self.state.restarts += 1
         self.state.save(self.run_dir)
+        self.metrics.update(restarts=self.state.restarts)
         self.notify.status(f"restarting after {incident['kind']} from step {resume} (restart {self.state.restarts})")
         self.log.emit("restart", level="warning", cause=incident["kind"], rank=incident.get("rank"),
                       detail=incident.get("detail") or record["action"]["reason"], resume_step=resume,
@@ -348,6 +379,7 @@ class Supervisor:
         self.state.generation += 1
         self.log.generation = self.state.generation
         self.pause = None
+        self.metrics.update(generation=self.state.generation)
         resume = self._prepare_generation()
         world, local = self.world, self.local_ranks
         ranks = range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local)
@@ -405,7 +437,7 @@ class Supervisor:
         """Consumes control files (at most every CONTROL_EVERY_S); `now` is None between generations,
         when there are no ranks to send commands to."""
         t = time.monotonic()
-        if t - getattr(self, "_control_at", 0.0) < CONTROL_EVERY_S:
+        if not self.control.changed() and t - getattr(self, "_control_at", 0.0) < CONTROL_EVERY_S:
             return
         self._control_at = t
         for req in self.control.take():
@@ -524,11 +556,15 @@ class Supervisor:
                                                     "tokens": event.tokens,
                                                     "tokens_per_s": event.tokens_per_s, "unix_s": time.time()}
                         self.state.save(self.run_dir)
+                    self.metrics.update(step=event.step, loss=event.loss, tokens_per_s=event.tokens_per_s)
+                    self.metrics.flush()
                     incident = self._observe(event)
                     if incident is not None:
                         incident["last_step"] = max(incident["last_step"], last_step)
                         return {"outcome": "incident", "incident": incident}
                 elif event.kind == "checkpoint" and event.stage in ("committed", "failed", "quarantined"):
+                    if event.stage == "committed":
+                        self.metrics.update(last_checkpoint_unix_s=time.time())
                     self.log.emit(f"checkpoint_{event.stage}", level="info" if event.stage == "committed"
                                   else "error", rank=event.rank, step=event.step, detail=event.detail)
                 elif event.kind == "exit":
@@ -622,6 +658,7 @@ class Supervisor:
                 self.log.emit("incident_detected", level="error", kind=incident.kind, step=event.step,
                               first_step=incident.first_step, evidence=incident.evidence)
                 return record
+            self.metrics.count_incident(incident.kind)
             record.update(generation=self.state.generation, unix_s=time.time(), action=None)
             self.state.incidents.append(record)
             self.state.save(self.run_dir)
@@ -636,6 +673,10 @@ class Supervisor:
             except ProcessLookupError:
                 pass
         time.sleep(1.0)
+
+
+class MetricsPortError(RuntimeError):
+    """The metrics port cannot be listened on."""
 
 
 def _log_fields(record: dict) -> dict:

@@ -276,6 +276,8 @@ class RunConfig:
     kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
     pause_release_after_s: float = 600.0  # paused this long: stop the ranks to free the devices (resume restarts them)
     compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
+    metrics_port: int = 0          # > 0: Prometheus metrics on http://127.0.0.1:<port>/metrics (0: off)
+    metrics_textfile: str = ""     # a node-exporter textfile to rewrite with the metrics ("" = off)
     log_max_bytes: int = 67108864  # events.jsonl rotates past this size (0: never) ...
     log_backups: int = 5           # ... keeping this many old files (events.jsonl.1 is the newest)
     worker_memory_limit_bytes: int = 0  # > 0: each rank in its own memory cgroup with this limit (OOM is then told apart)
@@ -287,6 +289,7 @@ class RunConfig:
         _in_range("run.stop_timeout_s", self.stop_timeout_s, 0.0, 1e6, open_low=True)
         _in_range("run.kill_grace_s", self.kill_grace_s, 0.0, 3600.0)
         _in_range("run.pause_release_after_s", self.pause_release_after_s, 0.0, 1e7)
+        _in_range("run.metrics_port", self.metrics_port, 0, 65535)
         _at_least("run.log_max_bytes", self.log_max_bytes, 0)
         _in_range("run.log_backups", self.log_backups, 0, 1000)
         if self.worker_memory_limit_bytes != 0 and not (1 << 24) <= self.worker_memory_limit_bytes <= (1 << 50):

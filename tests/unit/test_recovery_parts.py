@@ -201,3 +201,20 @@ def test_a_device_oom_is_read_from_this_process_s_part_of_the_log_only(tmp_path)
     with open(log, "a") as f:
         f.write("generation 2\nRuntimeError: Parameter[2] has no default param\n")
     assert oom_line(log, start) is None
+
+
+def test_the_control_directory_watcher_flags_a_new_request(tmp_path):
+    import time
+
+    d = control.ControlDir(tmp_path)
+    kind = d.watch()
+    try:
+        assert kind in ("InotifyObserver", "PollingObserver")
+        assert not d.changed()
+        control.write_request(tmp_path, "checkpoint", {})
+        deadline = time.monotonic() + 5
+        while not d.changed():
+            assert time.monotonic() < deadline, "the watcher never noticed the request"
+            time.sleep(0.02)
+    finally:
+        d.close()

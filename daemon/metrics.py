@@ -1,0 +1,121 @@
+"""Metrics for dashboards in Prometheus' text exposition format: on a loopback HTTP port
+(`run.metrics_port`), and/or as a node-exporter textfile (`run.metrics_textfile`).
+
+Owns: the values the supervisor updates (step, loss, tokens/s, generation,
+restarts, incidents by kind, when the last checkpoint was committed), their
+rendering, the HTTP endpoint (a daemon thread; GET /metrics) and the
+textfile's atomic rewrite. Stdlib only.
+"""
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from checkpointing.layout import write_atomically
+
+PREFIX = "llm_pretrain"
+
+
+class Metrics:
+    def __init__(self, run: str):
+        self.run = run
+        self.step = 0
+        self.loss = float("nan")
+        self.tokens_per_s = 0.0
+        self.generation = 0
+        self.restarts = 0
+        self.incidents: Counter[str] = Counter()
+        self.last_checkpoint_unix_s: float | None = None
+        self._lock = threading.Lock()
+        self._server: http.server.ThreadingHTTPServer | None = None
+        self._textfile: Path | None = None
+        self._written_at = 0.0
+
+    def update(self, **values) -> None:
+        with self._lock:
+            for key, value in values.items():
+                setattr(self, key, value)
+
+    def count_incident(self, kind: str) -> None:
+        with self._lock:
+            self.incidents[kind] += 1
+
+    def render(self, now: float | None = None) -> str:
+        now = time.time() if now is None else now
+        label = f'run="{self.run}"'
+        with self._lock:
+            since = now - self.last_checkpoint_unix_s if self.last_checkpoint_unix_s is not None else float("nan")
+            rows = [
+                ("step", "gauge", "optimizer steps completed", self.step, ""),
+                ("loss", "gauge", "training loss of the latest step", self.loss, ""),
+                ("tokens_per_second", "gauge", "training throughput, all ranks", self.tokens_per_s, ""),
+                ("generation", "gauge", "generations started (restarts + 1)", self.generation, ""),
+                ("restarts_total", "counter", "restarts after incidents", self.restarts, ""),
+                ("seconds_since_checkpoint", "gauge", "seconds since the last committed checkpoint", since, ""),
+            ]
+            incidents = dict(self.incidents)
+        out = []
+        for name, kind, help_text, value, _ in rows:
+            out += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} {kind}",
+                    f"{PREFIX}_{name}{{{label}}} {_number(value)}"]
+        out += [f"# HELP {PREFIX}_incidents_total incidents by kind (warnings included)",
+                f"# TYPE {PREFIX}_incidents_total counter"]
+        out += [f'{PREFIX}_incidents_total{{{label},kind="{k}"}} {v}' for k, v in sorted(incidents.items())]
+        return "\n".join(out) + "\n"
+
+    # outputs -----------------------------------------------------------------
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Starts the endpoint; returns the port (useful with port 0 in tests)."""
+        metrics = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = metrics.render().encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True, name="metrics").start()
+        return self._server.server_address[1]
+
+    def textfile(self, path: Path) -> None:
+        self._textfile = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def flush(self, every_s: float = 5.0, force: bool = False) -> None:
+        """Rewrites the textfile (atomically) at most every `every_s`."""
+        if self._textfile is None:
+            return
+        now = time.monotonic()
+        if force or now - self._written_at >= every_s:
+            self._written_at = now
+            write_atomically(self._textfile, self.render())
+
+    def close(self) -> None:
+        self.flush(force=True)
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+def _number(value) -> str:
+    value = float(value)
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value) if not value.is_integer() else str(int(value))

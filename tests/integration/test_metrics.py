@@ -1,0 +1,61 @@
+"""Prometheus metrics from the real supervisor: scraped over HTTP on loopback while it runs, and
+the textfile after it ends."""
+import re
+import socket
+import time
+import urllib.request
+
+from tests.integration.test_supervisor import _finish, _start
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _value(text: str, name: str, labels: str = 'run="tiny"') -> float:
+    m = re.search(rf"^llm_pretrain_{name}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
+    assert m, f"{name}{{{labels}}} missing from:\n{text}"
+    return float(m.group(1))
+
+
+def test_metrics_are_served_while_running_and_left_in_the_textfile(tmp_path):
+    port, textfile = _free_port(), tmp_path / "textfile" / "llm_pretrain.prom"
+    proc = _start(tmp_path / "run", overrides=[f"run.metrics_port={port}", f'run.metrics_textfile="{textfile}"'],
+                  fake=["--steps", "120", "--step-s", "0.03", "--interval", "10", "--crash-at", "20",
+                        "--fault-generations", "1"])
+    scraped = None
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+                text = r.read().decode()
+                content_type = r.headers["Content-Type"]
+            if _value(text, "generation") == 2 and _value(text, "step") > 30:
+                scraped = text
+                break
+        except (OSError, AssertionError):
+            pass
+        time.sleep(0.1)
+    code, _, err = _finish(proc)
+    assert code == 0, err
+    assert scraped is not None, "never scraped generation 2 past step 30"
+    assert content_type.startswith("text/plain; version=0.0.4")
+    assert _value(scraped, "restarts_total") == 1
+    assert _value(scraped, "incidents_total", 'run="tiny",kind="crash"') == 1
+    assert _value(scraped, "loss") > 0 and _value(scraped, "tokens_per_second") > 0
+    assert 0 <= _value(scraped, "seconds_since_checkpoint") < 10
+    final = textfile.read_text()
+    assert _value(final, "step") == 120 and "# TYPE llm_pretrain_restarts_total counter" in final
+
+
+def test_a_busy_metrics_port_is_a_config_error(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, events, _ = _finish(_start(tmp_path / "run", overrides=[f"run.metrics_port={port}"],
+                                         fake=["--steps", "3"]))
+    assert code == 78
+    assert "run.metrics_port" in [e for e in events if e["event"] == "daemon_exit"][0]["detail"]
