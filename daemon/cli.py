@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
         ctl.add_argument("run", metavar="RUN", help="a run directory, or a run name")
         ctl.add_argument("--reason", help="a note for the log")
 
+    plot = sub.add_parser("plot", help="loss and lr over steps, with incidents, rollbacks and skipped windows")
+    plot.add_argument("run", metavar="RUN", help="a run directory, or a run name")
+    plot.add_argument("-o", "--output", default="loss.png", help="the PNG to write (default loss.png)")
+
     svc = sub.add_parser("install-service", help="write the systemd units for this virtual environment and config")
     svc.add_argument("--config", metavar="FILE", help="the config of llm-pretrain.service (validated now); the "
                      "template llm-pretrain@NAME.service reads /etc/llm-pretrain/NAME.toml")
@@ -206,6 +210,22 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from daemon import plot
+    from daemon.runs import resolve_run_dir
+
+    try:
+        info = plot.plot(resolve_run_dir(args.run), Path(args.output))
+    except FileNotFoundError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.USAGE
+    print(f"wrote {args.output}: {info['steps']} step(s) in {info['generations']} generation(s), "
+          f"{info['incidents']} incident(s)")
+    return ExitCode.OK
+
+
 def _cmd_inject(args: argparse.Namespace) -> int:
     from daemon import control
     from daemon.runs import resolve_run_dir
@@ -262,7 +282,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
             "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
-            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs,
+            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "plot": _cmd_plot,
             "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control}
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from daemon import memcg
+from daemon.eventlog import COMMON
 from daemon.state import RunState
 
 
@@ -25,6 +26,7 @@ def _run(cli, env, tmp_path, corpus, *extra, injects=(), steps, timeout=420):
     done = subprocess.run([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
     events = [json.loads(l) for l in (run / "logs" / "events.jsonl").read_text().splitlines()]
+    assert all(list(e)[:5] == list(COMMON) for e in events), "an event without the common fields"
     return done, run, events
 
 
