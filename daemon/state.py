@@ -27,6 +27,7 @@ class RunState:
     recovery: dict[str, Any] | None = None    # the policy's directive in force (daemon.protocol.Recovery)
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
+    last_control: dict[str, Any] = dataclasses.field(default_factory=dict)   # the last request taken: name, file, unix_s
     log_dir: str = ""                    # where events.jsonl and the rank logs are
     total_steps: int = 0                 # train.steps of the run
     last_progress: dict[str, Any] = dataclasses.field(default_factory=dict)   # step, loss, tokens_per_s, unix_s

@@ -60,6 +60,9 @@ def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
                 "reason": (incident.get("action") or {}).get("reason") or incident.get("detail")},
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
             "config_changes": state.config_changes or None,
+            "last_request": None if not state.last_control else {
+                "name": state.last_control["name"], "age_s": round(now - state.last_control["unix_s"], 1),
+                "reason": state.last_control.get("reason")},
             "recovery": state.recovery}
 
 
@@ -88,6 +91,10 @@ def render(s: dict[str, Any]) -> str:
             ("last incident", "none" if inc is None else
              f"{inc['kind']} at step {inc['first_step']} -> {inc['action'] or 'warning'}: {inc['reason'] or ''}"),
             ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
+    req = s["last_request"]
+    if req:
+        rows.append(("last request", f"{req['name']} ({_duration(req['age_s'])} ago)" +
+                     (f": {req['reason']}" if req["reason"] else "")))
     if s["config_changes"]:
         rows.append(("config changes", ", ".join(f"{k}={v}" for k, v in s["config_changes"].items())))
     width = max(len(k) for k, _ in rows)

@@ -445,6 +445,9 @@ class Supervisor:
                 self.log.emit("control_rejected", level="warning", file=req.file, detail=req.reason)
                 continue
             self.log.emit("control", name=req.name, file=req.file, body=req.body or None)
+            self.state.last_control = {"name": req.name, "file": req.file, "unix_s": time.time(),
+                                       "reason": req.body.get("reason")}
+            self.state.save(self.run_dir)
             if req.name == "stop":
                 self.stop_reason = self.stop_reason or f"control file {req.file}" + (
                     f": {req.body['reason']}" if req.body.get("reason") else "")

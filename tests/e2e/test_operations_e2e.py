@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from daemon.eventlog import COMMON
+
 
 def _start(cli, env, run: Path, corpus, *extra, steps=40):
     sets = [f'data.path="{corpus}"', f"train.steps={steps}", "checkpoint.interval_steps=100", "parallel.dp=2",
@@ -18,7 +20,9 @@ def _start(cli, env, run: Path, corpus, *extra, steps=40):
 
 def _events(run: Path) -> list[dict]:
     path = run / "logs" / "events.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    events = [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")] if path.exists() else []
+    assert all(list(e)[:5] == list(COMMON) for e in events), "an event without the common fields"
+    return events
 
 
 def _named(run, name):
@@ -68,7 +72,10 @@ def _pause_mid_run(cli, env, run, corpus, *extra):
     # 0.15 s of sleep per step on rank 0 (a `slow` drill: no effect on the numbers) leaves time to act
     subprocess.run([*cli, "inject", "slow", str(run), "--steps", "1000", "--seconds", "0.15"], env=env, check=True)
     proc = _start(cli, env, run, corpus, *extra)
-    _wait(lambda: (run / "logs" / "rank-0.log").exists() and len(_steps(run, 0)) >= 8, "step 8")
+    _wait(lambda: (run / "logs" / "rank-0.log").exists() and len(_steps(run, 0)) >= 5, "step 5")
+    subprocess.run([*cli, "checkpoint", str(run)], env=env, check=True)
+    _wait(lambda: _named(run, "checkpoint_committed"), "the requested checkpoint")
+    _wait(lambda: len(_steps(run, 0)) >= _named(run, "checkpoint_committed")[0]["step"] + 2, "two more steps")
     subprocess.run([*cli, "pause", str(run), "--reason", "test"], env=env, check=True)
     _wait(lambda: _named(run, "paused"), "the paused event")
     return proc
@@ -94,7 +101,9 @@ def test_pause_holds_every_rank_at_one_step_and_resume_is_bit_exact(cli, quiet_e
     assert _steps(run, 0) == losses and _digests(run) == digests
     print(f"paused at step {step} on both ranks; resumed; 40 losses and the final weights identical")
     acks = [e["name"] for e in _named(run, "control")]
-    assert acks[-2:] == ["pause", "resume"]
+    assert acks == ["inject", "checkpoint", "pause", "resume"]
+    (requested,) = _named(run, "checkpoint_committed")[:1]
+    assert requested["step"] < step and requested["step"] % 100 != 0     # not an interval checkpoint
 
 
 def test_a_long_pause_releases_the_ranks_and_resume_restarts_them_bit_exactly(cli, quiet_env, tmp_path,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 
 from checkpointing import layout
+from daemon.eventlog import COMMON
 from daemon.protocol import Command
 from daemon.state import RunState
 
@@ -26,7 +27,9 @@ def _daemon(cli, env, tmp_path, corpus, *extra, steps=60):
 
 def _events(run: Path) -> list[dict]:
     path = run / "logs" / "events.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+    events = [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")] if path.exists() else []
+    assert all(list(e)[:5] == list(COMMON) for e in events), "an event without the common fields"
+    return events
 
 
 def _named(events, name):

@@ -218,3 +218,26 @@ def test_the_control_directory_watcher_flags_a_new_request(tmp_path):
             time.sleep(0.02)
     finally:
         d.close()
+
+
+def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
+    from daemon import status_cli
+    from daemon.state import RunState
+
+    state = RunState(status="running", generation=2, restarts=1, daemon_pid=os.getpid(), total_steps=1000,
+                     last_progress={"step": 400, "loss": 2.5, "tokens": 512, "tokens_per_s": 1024.0,
+                                    "unix_s": 995.0},
+                     incidents=[{"kind": "loss_spike", "first_step": 300, "action": {
+                         "type": "rollback", "reason": "roll back to 280"}}],
+                     last_control={"name": "checkpoint", "unix_s": 990.0, "reason": "before upgrade"})
+    state.save(tmp_path)
+    layout.step_dir(tmp_path / "checkpoints", 380).mkdir(parents=True)
+    s = status_cli.summary(tmp_path, now=os.stat(layout.step_dir(tmp_path / "checkpoints", 380)).st_mtime + 30)
+    assert (s["status"], s["step"], s["eta_s"]) == ("running", 400, 300.0)     # 600 steps x 0.5 s
+    assert s["last_checkpoint"]["step"] == 380 and s["last_checkpoint"]["age_s"] == 30.0
+    text = status_cli.render(s)
+    assert "400 / 1000" in text and "loss_spike at step 300 -> rollback" in text and "5m00s" in text
+    assert "checkpoint" in text and "before upgrade" in text
+    state.daemon_pid = 0
+    state.save(tmp_path)
+    assert status_cli.summary(tmp_path)["status"] == "running (daemon not running)"
