@@ -15,6 +15,7 @@ from typing import Sequence
 
 from checkpointing import CheckpointError
 from daemon.protocol import FAULTS, ExitCode
+from daemon.runs import RunNotFoundError, resolve_run_dir
 from engine.config import ConfigError, DataError, config_hash, load_config
 
 
@@ -150,37 +151,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _control_dir(run: str):
-    from daemon.runs import resolve_run_dir
 
     control_dir = resolve_run_dir(run) / "control"
     if not control_dir.is_dir():
-        raise FileNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
+        raise RunNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
     return control_dir
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
     from daemon import control
 
-    try:
-        control_dir = _control_dir(args.run)
-    except FileNotFoundError as e:
-        print(f"llm-pretrain: {e}", file=sys.stderr)
-        return ExitCode.USAGE
-    path = control.write_request(control_dir, args.command, {"reason": args.reason} if args.reason else {})
+    path = control.write_request(_control_dir(args.run), args.command, {"reason": args.reason} if args.reason else {})
     print(f"requested: {path} (acknowledged by a `control` event in the run's log)")
     return ExitCode.OK
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from daemon import status_cli
-    from daemon.runs import resolve_run_dir
 
-    try:
-        run_dir = resolve_run_dir(args.run)
-    except FileNotFoundError as e:
-        print(f"llm-pretrain: {e}", file=sys.stderr)
-        return ExitCode.USAGE
-    s = status_cli.summary(run_dir)
+    s = status_cli.summary(resolve_run_dir(args.run))
     print(json.dumps(s, indent=2) if args.json else status_cli.render(s))
     return ExitCode.OK
 
@@ -189,14 +178,9 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from daemon import status_cli
-    from daemon.runs import resolve_run_dir
     from daemon.state import RunState
 
-    try:
-        run_dir = resolve_run_dir(args.run)
-    except FileNotFoundError as e:
-        print(f"llm-pretrain: {e}", file=sys.stderr)
-        return ExitCode.USAGE
+    run_dir = resolve_run_dir(args.run)
     log_dir = Path(RunState.load(run_dir).log_dir or run_dir / "logs")
     path = log_dir / "events.jsonl"
     if not path.exists():
@@ -214,11 +198,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from daemon import plot
-    from daemon.runs import resolve_run_dir
 
     try:
         info = plot.plot(resolve_run_dir(args.run), Path(args.output))
-    except FileNotFoundError as e:
+    except plot.NoStepsError as e:
         print(f"llm-pretrain: {e}", file=sys.stderr)
         return ExitCode.USAGE
     print(f"wrote {args.output}: {info['steps']} step(s) in {info['generations']} generation(s), "
@@ -228,7 +211,6 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def _cmd_inject(args: argparse.Namespace) -> int:
     from daemon import control
-    from daemon.runs import resolve_run_dir
 
     for name in ("at_step", "steps"):
         value = getattr(args, name)
@@ -236,15 +218,7 @@ def _cmd_inject(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} = {value} must be >= 1")
     if args.rank < 0 or (args.seconds is not None and args.seconds < 0):
         raise ConfigError("--rank and --seconds must not be negative")
-    try:
-        run_dir = resolve_run_dir(args.run)
-    except FileNotFoundError as e:
-        print(f"llm-pretrain: {e}", file=sys.stderr)
-        return ExitCode.USAGE
-    control_dir = run_dir / "control"
-    if not control_dir.is_dir():
-        print(f"llm-pretrain: {control_dir} does not exist: has a daemon run here?", file=sys.stderr)
-        return ExitCode.USAGE
+    control_dir = _control_dir(args.run)
     body = {"fault": args.fault, "rank": args.rank, "at_step": args.at_step, "steps": args.steps,
             "seconds": args.seconds, "reason": args.reason}
     path = control.write_request(control_dir, "inject", {k: v for k, v in body.items() if v is not None})
@@ -290,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(COMMANDS[args.command](args))
+    except RunNotFoundError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.USAGE
     except ConfigError as e:
         print(f"llm-pretrain: config error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR

@@ -19,6 +19,10 @@ COLORS = {"loss_spike": "tab:red", "non_finite": "tab:purple", "overflow_storm":
           "grad_norm_spike": "tab:pink", "crash": "tab:gray", "hang": "tab:brown", "oom": "tab:olive"}
 
 
+class NoStepsError(FileNotFoundError):
+    """The run has no step events to draw."""
+
+
 def step_series(log_path: Path) -> dict[int, list[dict]]:
     """Step events by generation, from a rank's log."""
     series: dict[int, list[dict]] = defaultdict(list)
@@ -42,9 +46,10 @@ def plot(run_dir: Path, out: Path) -> dict:
 
     state = RunState.load(run_dir)
     log_dir = Path(state.log_dir) if state.log_dir else run_dir / "logs"
-    series = step_series(log_dir / "rank-0.log")
+    log = log_dir / "rank-0.log"
+    series = step_series(log) if log.exists() else {}
     if not series:
-        raise FileNotFoundError(f"no step events in {log_dir / 'rank-0.log'}: has this run trained yet?")
+        raise NoStepsError(f"no step events in {log_dir / 'rank-0.log'}: has this run trained yet?")
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(11, 7), sharex=True, height_ratios=(3, 1))
     for gen, events in sorted(series.items()):
         steps = [e["step"] for e in events]

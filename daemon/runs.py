@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Mapping
 
 
+class RunNotFoundError(FileNotFoundError):
+    """No run directory by that name or path; the message lists where it looked."""
+
+
 def resolve_run_dir(run: str, env: Mapping[str, str] = os.environ) -> Path:
     """A directory as given if it exists; else the name under $STATE_DIRECTORY (systemd) or ./runs."""
     path = Path(run)
@@ -20,4 +24,4 @@ def resolve_run_dir(run: str, env: Mapping[str, str] = os.environ) -> Path:
         if candidate.is_dir():
             return candidate
     tried = ", ".join(dict.fromkeys(str(c) for c in [path, *candidates]))
-    raise FileNotFoundError(f"no run {run!r}: tried {tried}")
+    raise RunNotFoundError(f"no run {run!r}: tried {tried}")
