@@ -5,13 +5,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
+EXTRAS ?= test        # .ci/run adds `interop` (torch 2.13.0 + transformers for the reference comparisons)
 
 .PHONY: demo test test-fast bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[$(strip $(EXTRAS))]'
 	touch $@
 
 demo: $(VENV)/.installed

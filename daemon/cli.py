@@ -92,6 +92,16 @@ def build_parser() -> argparse.ArgumentParser:
         ctl.add_argument("run", metavar="RUN", help="a run directory, or a run name")
         ctl.add_argument("--reason", help="a note for the log")
 
+    export = sub.add_parser("export", help="write a checkpoint as Hugging Face LLaMA or mindformers weights")
+    export.add_argument("checkpoint", metavar="CHECKPOINT",
+                        help="a checkpoint directory (…/checkpoints/step-N), or a run (its newest checkpoint)")
+    export.add_argument("--format", choices=("hf", "mindformers"), required=True)
+    export.add_argument("-o", "--output", required=True, metavar="DIR", help="the directory to write")
+
+    imp = sub.add_parser("import-config", help="map a mindformers model/training YAML onto this project's TOML")
+    imp.add_argument("yaml", metavar="YAML", help="a mindformers YAML (model, runner, parallel, lr schedule …)")
+    imp.add_argument("-o", "--output", required=True, metavar="TOML", help="the config file to write")
+
     plot = sub.add_parser("plot", help="loss and lr over steps, with incidents, rollbacks and skipped windows")
     plot.add_argument("run", metavar="RUN", help="a run directory, or a run name")
     plot.add_argument("-o", "--output", default="loss.png", help="the PNG to write (default loss.png)")
@@ -194,6 +204,58 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _resolve_checkpoint(text: str):
+    from pathlib import Path
+
+    from checkpointing import layout, reader
+
+    path = Path(text)
+    if (path / layout.MANIFEST).exists():
+        return path
+    found = reader.find_latest(resolve_run_dir(text) / "checkpoints", quarantine_failed=False)
+    if found is None:
+        raise RunNotFoundError(f"{text}: no committed checkpoint to export")
+    return found[0]
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    checkpoint = _resolve_checkpoint(args.checkpoint)
+    if args.format == "hf":
+        from engine import hf
+
+        info = hf.export(checkpoint, Path(args.output))
+    else:
+        from engine import mindformers
+
+        info = mindformers.export(checkpoint, Path(args.output))
+    print(f"exported {checkpoint} as {args.format}: {info['tensors']} tensors, {info['parameters']:,} parameters "
+          f"-> {args.output}")
+    return ExitCode.OK
+
+
+def _cmd_import_config(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import yaml
+
+    from engine import import_config
+
+    try:
+        doc = yaml.safe_load(Path(args.yaml).read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"{args.yaml}: cannot read it as YAML: {e}") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{args.yaml}: not a mindformers YAML (no top-level mapping)")
+    cfg, unmapped = import_config.convert(doc)
+    Path(args.output).write_text(import_config.to_toml(cfg, unmapped, args.yaml))
+    print(f"wrote {args.output}; {len(unmapped)} key(s) not mapped" + (":" if unmapped else ""))
+    for key in unmapped:
+        print(f"  {key}", file=sys.stderr)
+    return ExitCode.OK
+
+
 def _cmd_plot(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -256,7 +318,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
             "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
-            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "plot": _cmd_plot,
+            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "plot": _cmd_plot, "export": _cmd_export,
+            "import-config": _cmd_import_config,
             "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control}
 
 

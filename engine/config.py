@@ -67,6 +67,7 @@ class ModelConfig:
     norm_eps: float = 1e-5         # epsilon of RMSNorm / LayerNorm
     tie_embeddings: bool = False   # share the input embedding with the output projection
     init_std: float = 0.02         # std of the normal init; output projections get std/sqrt(2*num_layers)
+    init_from: str = ""            # "hf:DIR": start from a Hugging Face LLaMA directory's weights (only with no checkpoint yet)
 
     def __post_init__(self) -> None:
         _choice("model.arch", self.arch, ("llama", "gpt2"))
@@ -83,6 +84,11 @@ class ModelConfig:
         _in_range("model.rope_theta", self.rope_theta, 1.0, 1e9)
         _in_range("model.norm_eps", self.norm_eps, 0.0, 1e-2, open_low=True)
         _in_range("model.init_std", self.init_std, 0.0, 1.0, open_low=True)
+        if self.init_from and not (self.init_from.startswith("hf:") and len(self.init_from) > 3):
+            _fail(f"model.init_from = {self.init_from!r} is not allowed; use \"\" or \"hf:DIR\" (a Hugging Face "
+                  "LLaMA directory with config.json and .safetensors files)")
+        if self.init_from and self.arch != "llama":
+            _fail("model.init_from needs model.arch = \"llama\" (Hugging Face LlamaForCausalLM weights)")
 
     @property
     def head_dim(self) -> int:
@@ -474,6 +480,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: typing.Se
 # trajectory: batch geometry below global_batch, parallel layout, recompute, device,
 # how often things are logged or saved, where files go.
 _TRAJECTORY_NEUTRAL = {
+    "model": {"init_from"},                 # read only when there is no checkpoint yet
     "data": {"verify_checksums", "prefetch_steps"},
     "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "recompute_num_layers", "compute_threads",
               "log_interval_steps", "steps"},

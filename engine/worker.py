@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import Iterator, Sequence, TextIO
 
 import numpy as np
@@ -108,6 +109,27 @@ class Trainer:
         capped = recovery.loss_scale_cap is not None and self.step < recovery.loss_scale_cap_until_step
         scaler.cap.set_data(ms.Tensor(recovery.loss_scale_cap if capped else float("inf"), ms.float32))
 
+    def init_from_hf(self, directory: str) -> int:
+        """Sets every model parameter from a Hugging Face LLaMA directory; returns the count."""
+        import mindspore as ms
+
+        from engine import hf
+        from engine.config import ConfigError
+
+        weights = hf.load_for_init(Path(directory), self.cfg.model)
+        params = list(self.net.trainable_params())
+        missing = [p.name for p in params if p.name not in weights]
+        if missing:
+            raise ConfigError(f"model.init_from: {directory} lacks {len(missing)} tensor(s) this model needs, "
+                              f"e.g. {', '.join(missing[:3])}")
+        for p in params:
+            value = weights[p.name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ConfigError(f"model.init_from: {p.name} has shape {tuple(value.shape)} in {directory}, "
+                                  f"the model needs {tuple(p.shape)}")
+            p.set_data(ms.Tensor(value.astype(np.float32)))
+        return len(params)
+
     def lift_loss_scale_cap(self) -> None:
         import mindspore as ms
 
@@ -158,6 +180,9 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
 
     ckpt = TrainerCheckpoints(trainer, cfg, cfg.run.resolved_dir(env) / "checkpoints", emit=sink.emit)
     restored = ckpt.restore_latest(allow_config_change=allow_config_change)
+    if restored is None and cfg.model.init_from:
+        count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
+        print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr, flush=True)
     recovery = _read_recovery(env)
     cap_until = 0
     if recovery is not None:

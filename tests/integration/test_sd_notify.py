@@ -32,7 +32,7 @@ def test_ready_status_watchdog_and_stopping_arrive(tmp_path):
     sock.close()
     assert code == 0, err
     fields = [f for m in messages for f in m.split("\n")]
-    assert messages[0].startswith("READY=1\nSTATUS=starting") and f"MAINPID=" in messages[0]
+    assert messages[0].startswith("READY=1\nSTATUS=starting") and "MAINPID=" in messages[0]
     assert any(f.startswith("STATUS=step ") and " loss " in f for f in fields), fields
     pings = fields.count("WATCHDOG=1")
     print(f"{len(messages)} messages, {pings} watchdog pings")
