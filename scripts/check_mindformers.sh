@@ -10,11 +10,12 @@
 # the parameters is what a CPU can prove.)
 set -euo pipefail
 export_dir=$(realpath "${1:?usage: scripts/check_mindformers.sh EXPORT_DIR}")
-venv=${MF_VENV:-.venv-mindformers}
+venv=$(realpath -m "${MF_VENV:-$(dirname "$0")/../.venv-mindformers}")
 if [ ! -x "$venv/bin/python" ]; then
     python3 -m venv "$venv"
     "$venv/bin/pip" install -q "mindformers==1.9.0" "numpy<2" pyyaml safetensors
 fi
+cd "$(mktemp -d)"            # mindformers writes ./output/log wherever it runs
 "$venv/bin/python" - "$export_dir" <<'PY'
 import sys
 from pathlib import Path
