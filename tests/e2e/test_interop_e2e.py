@@ -74,7 +74,7 @@ def test_five_adamw_steps_with_warmup_cosine_and_clipping_match_torch(make_train
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         opt.step()
-        theirs.append(float(loss))
+        theirs.append(float(loss.detach()))
     print("losses, this engine:", [round(x, 6) for x in ours])
     print("losses, torch AdamW:", [round(x, 6) for x in theirs])
     assert ours[-1] < ours[0] - 0.05                           # it really trained
