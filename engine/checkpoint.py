@@ -30,6 +30,21 @@ RUN_STATE_VERSION = 1
 TEARDOWN_SLACK_STEPS = 50    # steps a rank may still make between an incident's detection and its teardown
 
 
+def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error: type[Exception]) -> None:
+    """Sets each parameter from the array of its name, after checking them all (nothing is half
+    loaded): a missing name or a wrong shape raises `error` naming the parameter and `source`."""
+    missing = [p.name for p in params if p.name not in tensors]
+    if missing:
+        raise error(f"{source} lacks {len(missing)} tensor(s) this model needs, e.g. {', '.join(missing[:3])}; "
+                    "was it saved by another model?")
+    for p in params:
+        if tuple(tensors[p.name].shape) != tuple(p.shape):
+            raise error(f"{source}: tensor {p.name!r} has shape {tuple(tensors[p.name].shape)}, "
+                        f"the model needs {tuple(p.shape)}")
+    for p in params:
+        p.set_data(ms.Tensor(tensors[p.name]))
+
+
 def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     keys = []
     for section in sorted(set(saved) | set(current)):
@@ -128,16 +143,8 @@ class TrainerCheckpoints:
             raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings "
                               f"({', '.join(changed) or 'config hash differs'}); restore the config or pass "
                               "--allow-config-change to resume anyway")
-        tensors = reader.load_tensors(path, manifest)
-        for p in self.params:
-            if p.name not in tensors:
-                raise checkpointing.CheckpointError(f"{path}: tensor {p.name!r} is missing; was it saved by "
-                                                    "another model?")
-            value = tensors[p.name]
-            if tuple(value.shape) != tuple(p.shape):
-                raise checkpointing.CheckpointError(f"{path}: tensor {p.name!r} has shape {value.shape}, "
-                                                    f"the model needs {tuple(p.shape)}")
-            p.set_data(ms.Tensor(value))
+        set_parameters(self.params, reader.load_tensors(path, manifest), source=str(path),
+                       error=checkpointing.CheckpointError)
         t = self.trainer
         t.step, t.cursor = state["step"], state["data_cursor"]
         t.set_skips([tuple(r) for r in state["skip_ranges"]])

@@ -94,13 +94,14 @@ class Trainer:
                          sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
                          tokens_per_s=tokens / step_s)
 
-    def apply_recovery(self, recovery: Recovery, restored_step: int) -> None:
-        """The policy's directive after a rollback (see daemon.protocol.Recovery)."""
+    def apply_recovery(self, recovery: Recovery, restored_step: int) -> int:
+        """The policy's directive after a rollback (see daemon.protocol.Recovery); returns the step
+        at which the loss-scale cap it set must be lifted (0: no cap)."""
         self.set_skips([*self.skips, *recovery.skip_ranges])
         self.overrides = list(recovery.lr_overrides)
         scaler = self.step_fn.scaler
         if not scaler.dynamic:
-            return
+            return 0
         import mindspore as ms
 
         if recovery.loss_scale is not None and restored_step == recovery.checkpoint_step:
@@ -108,26 +109,17 @@ class Trainer:
             scaler.good_steps.set_data(ms.Tensor(0, ms.int32))
         capped = recovery.loss_scale_cap is not None and self.step < recovery.loss_scale_cap_until_step
         scaler.cap.set_data(ms.Tensor(recovery.loss_scale_cap if capped else float("inf"), ms.float32))
+        return recovery.loss_scale_cap_until_step if capped else 0
 
     def init_from_hf(self, directory: str) -> int:
         """Sets every model parameter from a Hugging Face LLaMA directory; returns the count."""
-        import mindspore as ms
-
         from engine import hf
+        from engine.checkpoint import set_parameters
         from engine.config import ConfigError
 
-        weights = hf.load_for_init(Path(directory), self.cfg.model)
         params = list(self.net.trainable_params())
-        missing = [p.name for p in params if p.name not in weights]
-        if missing:
-            raise ConfigError(f"model.init_from: {directory} lacks {len(missing)} tensor(s) this model needs, "
-                              f"e.g. {', '.join(missing[:3])}")
-        for p in params:
-            value = weights[p.name]
-            if tuple(value.shape) != tuple(p.shape):
-                raise ConfigError(f"model.init_from: {p.name} has shape {tuple(value.shape)} in {directory}, "
-                                  f"the model needs {tuple(p.shape)}")
-            p.set_data(ms.Tensor(value.astype(np.float32)))
+        set_parameters(params, hf.load_for_init(Path(directory), self.cfg.model),
+                       source=f"model.init_from: {directory}", error=ConfigError)
         return len(params)
 
     def lift_loss_scale_cap(self) -> None:
@@ -184,11 +176,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
         print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr, flush=True)
     recovery = _read_recovery(env)
-    cap_until = 0
-    if recovery is not None:
-        trainer.apply_recovery(recovery, restored["step"] if restored else 0)
-        if recovery.loss_scale_cap is not None and trainer.step < recovery.loss_scale_cap_until_step:
-            cap_until = recovery.loss_scale_cap_until_step
+    cap_until = trainer.apply_recovery(recovery, restored["step"] if restored else 0) if recovery else 0
     commands = CommandReader(env.get(ENV_COMMANDS))
     drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env)
     applied = 0
