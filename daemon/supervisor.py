@@ -103,6 +103,7 @@ class Supervisor:
         self.paused_at = 0.0
         self.resume_requested = False        # a resume request while the ranks are released
         self._status_at = 0.0
+        self._control_at = 0.0
         self._seq = 0
         self._backoff = tenacity.wait_exponential_jitter(initial=cfg.health.restart_backoff_initial_s,
                                                          max=cfg.health.restart_backoff_max_s, jitter=1.0)
@@ -147,7 +148,7 @@ class Supervisor:
             self.control.close()
             self.notify.close()
             if self.memcg_parent is not None:
-                memcg.remove_tree(self.memcg_parent[1] / f"llm-pretrain-{self.cfg.run.name}")
+                memcg.remove_tree(self.memcg_parent[1] / self._cgroup_dir)
             lock.release()
             self.log.close()
 
@@ -347,6 +348,11 @@ class Supervisor:
         return (self.run_dir / "compile_cache" / key).resolve()
 
     @property
+    def _cgroup_dir(self) -> str:
+        """The run's directory under the daemon's memory cgroup: one child per rank and generation."""
+        return f"llm-pretrain-{self.cfg.run.name}"
+
+    @property
     def recovery_path(self) -> Path:
         return self.run_dir / "recovery.json"
 
@@ -365,8 +371,8 @@ class Supervisor:
     def _spawn_rank(self, rank: int, port: int, sock_path: Path) -> tuple[processes.Worker, memcg.MemoryCgroup | None]:
         group = None
         if self.memcg_parent is not None:
-            group = memcg.MemoryCgroup.create(self.memcg_parent, f"llm-pretrain-{self.cfg.run.name}/"
-                                              f"g{self.state.generation}-rank-{rank}",
+            group = memcg.MemoryCgroup.create(self.memcg_parent,
+                                              f"{self._cgroup_dir}/g{self.state.generation}-rank-{rank}",
                                               self.cfg.run.worker_memory_limit_bytes)
         cmd = [*self.worker_cmd, *actions.set_args(self.state.config_changes)]
         worker = processes.spawn(cmd, env=self._worker_env(rank, port, sock_path), role="rank", rank=rank,
@@ -437,7 +443,7 @@ class Supervisor:
         """Consumes control files (at most every CONTROL_EVERY_S); `now` is None between generations,
         when there are no ranks to send commands to."""
         t = time.monotonic()
-        if not self.control.changed() and t - getattr(self, "_control_at", 0.0) < CONTROL_EVERY_S:
+        if not self.control.changed() and t - self._control_at < CONTROL_EVERY_S:
             return
         self._control_at = t
         for req in self.control.take():
@@ -649,10 +655,11 @@ class Supervisor:
     def _observe(self, event) -> dict | None:
         """One step of the watched rank through the detectors: warnings are logged and recorded; the
         first incident that needs action is returned."""
+        # re-inserted (a replayed step moves to the end), so the first key is always the oldest seen
+        self.sample_ranges.pop(event.step, None)
         self.sample_ranges[event.step] = (event.sample_start, event.sample_end)
         if len(self.sample_ranges) > SAMPLE_RANGES_KEPT:
-            for step in sorted(self.sample_ranges)[:len(self.sample_ranges) - SAMPLE_RANGES_KEPT]:
-                del self.sample_ranges[step]
+            del self.sample_ranges[next(iter(self.sample_ranges))]
         for incident in self.monitor.observe({"step": event.step, "loss": event.loss,
                                               "grad_norm": event.grad_norm, "loss_scale": event.loss_scale,
                                               "skipped": event.skipped, "tokens_per_s": event.tokens_per_s}):
