@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from checkpointing.layout import write_atomically
+
 CONTROL_NAMES = ("pause", "resume", "checkpoint", "stop", "inject")
 MAX_BODY_BYTES = 65536
 
@@ -137,14 +139,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
 
 
 def write_request(control_dir: Path, name: str, body: dict[str, Any]) -> Path:
-    """What the CLI does: a hidden temporary file, fsynced, renamed to a unique `<name>.<ns>`."""
+    """What the CLI does: a hidden temporary file, fsynced, renamed to a unique `<name>.<ns>-<pid>`."""
     if name not in CONTROL_NAMES:
         raise ValueError(f"unknown control request {name!r}")
     final = control_dir / f"{name}.{time.time_ns()}-{os.getpid()}"
-    tmp = control_dir / f".{final.name}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(body, sort_keys=True) if body else "")
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, final)
+    write_atomically(final, json.dumps(body, sort_keys=True) if body else "")   # its temporary is hidden
     return final

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from checkpointing.layout import write_atomically
 from engine.config import ConfigError, load_config
 
 UNITS_DIR = Path(__file__).resolve().parents[1] / "systemd"
@@ -82,10 +83,8 @@ def install(*, venv: str, config: str | None, user: str, dest: Path, tmpfiles_de
 
 def _write(path: Path, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.chmod(0o644)
-    os.replace(tmp, path)
+    write_atomically(path, text)
+    path.chmod(0o644)
     return path
 
 
