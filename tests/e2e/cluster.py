@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from daemon.cluster import SCHEDULER, WORKER, free_port, process_env
@@ -11,6 +12,27 @@ from daemon.cluster import SCHEDULER, WORKER, free_port, process_env
 
 def events(text: str) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+def daemon_events(run: Path) -> list[dict]:
+    """The daemon's events.jsonl of a run (complete lines; none yet: []), each checked for the
+    common fields every event carries."""
+    from daemon.eventlog import COMMON
+
+    path = run / "logs" / "events.jsonl"
+    out = [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")] if path.exists() else []
+    assert all(list(e)[:5] == list(COMMON) for e in out), "an event without the common fields"
+    return out
+
+
+def wait_for(predicate, timeout_s: float = 240, what: str = "condition") -> None:
+    """Polls `predicate` every 0.2 s; fails the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 class Cluster:

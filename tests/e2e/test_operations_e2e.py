@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.eventlog import COMMON
+from tests.e2e.cluster import daemon_events as _events
+from tests.e2e.cluster import wait_for as _wait_for
+
 
 
 def _start(cli, env, run: Path, corpus, *extra, steps=40):
@@ -16,13 +18,6 @@ def _start(cli, env, run: Path, corpus, *extra, steps=40):
             "train.micro_batch=4", f'run.dir="{run}"', "health.allow_fault_injection=true", *extra]
     return subprocess.Popen([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=run.parent, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _events(run: Path) -> list[dict]:
-    path = run / "logs" / "events.jsonl"
-    events = [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")] if path.exists() else []
-    assert all(list(e)[:5] == list(COMMON) for e in events), "an event without the common fields"
-    return events
 
 
 def _named(run, name):
@@ -49,15 +44,6 @@ def _digests(run: Path) -> set[str]:
     return out
 
 
-def _wait(predicate, what, timeout=240):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def reference(cli, quiet_env, tmp_path_factory, stdlib_corpus):
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -72,12 +58,12 @@ def _pause_mid_run(cli, env, run, corpus, *extra):
     # 0.15 s of sleep per step on rank 0 (a `slow` drill: no effect on the numbers) leaves time to act
     subprocess.run([*cli, "inject", "slow", str(run), "--steps", "1000", "--seconds", "0.15"], env=env, check=True)
     proc = _start(cli, env, run, corpus, *extra)
-    _wait(lambda: (run / "logs" / "rank-0.log").exists() and len(_steps(run, 0)) >= 5, "step 5")
+    _wait_for(lambda: (run / "logs" / "rank-0.log").exists() and len(_steps(run, 0)) >= 5, what="step 5")
     subprocess.run([*cli, "checkpoint", str(run)], env=env, check=True)
-    _wait(lambda: _named(run, "checkpoint_committed"), "the requested checkpoint")
-    _wait(lambda: len(_steps(run, 0)) >= _named(run, "checkpoint_committed")[0]["step"] + 2, "two more steps")
+    _wait_for(lambda: _named(run, "checkpoint_committed"), what="the requested checkpoint")
+    _wait_for(lambda: len(_steps(run, 0)) >= _named(run, "checkpoint_committed")[0]["step"] + 2, what="two more steps")
     subprocess.run([*cli, "pause", str(run), "--reason", "test"], env=env, check=True)
-    _wait(lambda: _named(run, "paused"), "the paused event")
+    _wait_for(lambda: _named(run, "paused"), what="the paused event")
     return proc
 
 
@@ -110,7 +96,7 @@ def test_a_long_pause_releases_the_ranks_and_resume_restarts_them_bit_exactly(cl
                                                                               stdlib_corpus, reference):
     run = tmp_path / "run"
     proc = _pause_mid_run(cli, quiet_env, run, stdlib_corpus, "run.pause_release_after_s=1")
-    _wait(lambda: _named(run, "released"), "the ranks' release")
+    _wait_for(lambda: _named(run, "released"), what="the ranks' release")
     text = subprocess.run([*cli, "status", str(run)], env=quiet_env, capture_output=True, text=True,
                           check=True).stdout
     assert "paused" in text

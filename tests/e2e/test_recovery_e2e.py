@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from daemon import memcg
-from daemon.eventlog import COMMON
 from daemon.state import RunState
+from tests.e2e.cluster import daemon_events
 
 
 def _run(cli, env, tmp_path, corpus, *extra, injects=(), steps, timeout=420):
@@ -25,9 +25,7 @@ def _run(cli, env, tmp_path, corpus, *extra, injects=(), steps, timeout=420):
             "health.restart_backoff_initial_s=0.2", *extra]
     done = subprocess.run([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=timeout)
-    events = [json.loads(l) for l in (run / "logs" / "events.jsonl").read_text().splitlines()]
-    assert all(list(e)[:5] == list(COMMON) for e in events), "an event without the common fields"
-    return done, run, events
+    return done, run, daemon_events(run)
 
 
 def _named(events, name):

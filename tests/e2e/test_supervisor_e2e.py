@@ -9,9 +9,10 @@ from pathlib import Path
 
 
 from checkpointing import layout
-from daemon.eventlog import COMMON
 from daemon.protocol import Command
 from daemon.state import RunState
+from tests.e2e.cluster import daemon_events as _events
+from tests.e2e.cluster import wait_for as _wait_for
 
 
 def _daemon(cli, env, tmp_path, corpus, *extra, steps=60):
@@ -25,13 +26,6 @@ def _daemon(cli, env, tmp_path, corpus, *extra, steps=60):
     return proc, run
 
 
-def _events(run: Path) -> list[dict]:
-    path = run / "logs" / "events.jsonl"
-    events = [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")] if path.exists() else []
-    assert all(list(e)[:5] == list(COMMON) for e in events), "an event without the common fields"
-    return events
-
-
 def _named(events, name):
     return [e for e in events if e["event"] == name]
 
@@ -39,15 +33,6 @@ def _named(events, name):
 def _rank_steps(run: Path, rank: int) -> list[dict]:
     lines = (run / "logs" / f"rank-{rank}.log").read_text().splitlines()
     return [json.loads(l) for l in lines if l.startswith('{"data_wait_s"')]
-
-
-def _wait_for(predicate, timeout_s=240, what="condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _last_step(run, rank=0):
