@@ -1,5 +1,4 @@
-"""Names and paths inside a checkpoint root; the durable-file helpers the project shares
-(fsync of a path, atomic replace, sha256 of a file).
+"""Names and paths inside a checkpoint root, and the renames that retire or roll back checkpoints.
 
     <root>/step-00001200/manifest.json
     <root>/step-00001200/shard-00000-of-00002.safetensors
@@ -10,11 +9,12 @@
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
 from pathlib import Path
+
+from durable import fsync_path
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
@@ -53,33 +53,6 @@ def committed_steps(root: Path) -> list[int]:
         return []
     steps = [parse_step(p.name) for p in root.iterdir() if p.is_dir()]
     return sorted(s for s in steps if s is not None)
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Write to a temporary name, fsync, rename over `path`, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def retire(root: Path, step: int) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
+import durable
 from checkpointing import CheckpointError, layout
 from checkpointing.writer import FORMAT, VERSION
 
@@ -50,7 +51,7 @@ def verify(path: Path) -> list[str]:
         if file.stat().st_size != shard["size_bytes"]:
             problems.append(f"{file.name}: {file.stat().st_size} bytes, manifest says {shard['size_bytes']}")
             continue
-        if layout.sha256_file(file) != shard["sha256"]:
+        if durable.sha256_file(file) != shard["sha256"]:
             problems.append(f"{file.name}: sha256 mismatch (corrupt)")
             continue
         with safe_open(file, framework="numpy") as f:
@@ -88,7 +89,7 @@ def quarantine(path: Path) -> Path | None:
         os.rename(path, target)
     except FileNotFoundError:
         return None
-    layout.fsync_path(path.parent)
+    durable.fsync_path(path.parent)
     return target
 
 

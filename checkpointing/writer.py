@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 from safetensors.numpy import save as safetensors_bytes
 
+import durable
 from checkpointing import CheckpointError, layout, retention
 
 FORMAT = "llm-pretrain-checkpoint"
@@ -40,14 +41,9 @@ Emit = Callable[..., None]   # emit(stage, step=..., seconds=..., error=...)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    """Writes and fsyncs `path`; it appears under its name only once complete (others may be polling
-    for it: a file seen before its bytes are in would read as empty)."""
-    part = path.with_name(path.name + ".part")
-    with open(part, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(part, path)
+    """Appears under its name only once complete (the committer polls for markers); the directory
+    is fsynced once after all of a rank's files."""
+    durable.write_atomically(path, data, sync_dir=False)
 
 
 class ShardWriter:
@@ -112,7 +108,7 @@ class ShardWriter:
                       "tensors": {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}}
             del blob
             _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
-            layout.fsync_path(tmp)
+            durable.fsync_path(tmp)
             self.emit("written", step=step, seconds=time.monotonic() - started)
             if self.rank == 0:
                 self._commit(step, tmp, run_state or {}, versions, started)
@@ -154,10 +150,10 @@ class ShardWriter:
         _write_durably(tmp / layout.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         for m in markers:
             m.unlink()
-        layout.fsync_path(tmp)
+        durable.fsync_path(tmp)
         os.rename(tmp, layout.step_dir(self.root, step))
-        layout.fsync_path(self.root)
-        layout.write_atomically(self.root / layout.LATEST, layout.step_name(step) + "\n")
+        durable.fsync_path(self.root)
+        durable.write_atomically(self.root / layout.LATEST, layout.step_name(step) + "\n")
         self.last_committed = step
         self.emit("committed", step=step, seconds=time.monotonic() - started)
         doomed = retention.select_for_deletion(layout.committed_steps(self.root), keep_last=self.keep_last,

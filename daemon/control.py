@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpointing.layout import write_atomically
+from durable import write_atomically
 
 CONTROL_NAMES = ("pause", "resume", "checkpoint", "stop", "inject")
 MAX_BODY_BYTES = 65536

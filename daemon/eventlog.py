@@ -43,9 +43,9 @@ class RotatingTee:
         for i in range(self.backups - 1, 0, -1):
             older = self.path.with_name(f"{self.path.name}.{i}")
             if older.exists():
-                os.replace(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
+                os.rename(older, self.path.with_name(f"{self.path.name}.{i + 1}"))
         if self.backups > 0:
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
+            os.rename(self.path, self.path.with_name(f"{self.path.name}.1"))
         else:
             self.path.unlink(missing_ok=True)
         self._file = open(self.path, "a", buffering=1)

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from checkpointing.layout import write_atomically
+from durable import write_atomically
 
 PREFIX = "llm_pretrain"
 

@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from checkpointing.layout import write_atomically
+from durable import write_atomically
 from engine.config import ConfigError, load_config
 
 UNITS_DIR = Path(__file__).resolve().parents[1] / "systemd"

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from checkpointing.layout import write_atomically
+from durable import write_atomically
 
 STATE_FILE = "state.json"
 

@@ -41,6 +41,7 @@ from typing import Mapping, Sequence
 import tenacity
 
 from checkpointing import layout
+from durable import write_atomically
 from daemon import actions, cluster, control, device_oom, hang, memcg, policy, processes
 from daemon.eventlog import EventLog
 from daemon.health import HealthMonitor
@@ -361,7 +362,7 @@ class Supervisor:
         self._seq = 0
         self.commands_path.write_text("")               # commands are per generation
         if self.state.recovery:
-            layout.write_atomically(self.recovery_path, Recovery.from_dict(self.state.recovery).to_json())
+            write_atomically(self.recovery_path, Recovery.from_dict(self.state.recovery).to_json())
         else:
             self.recovery_path.unlink(missing_ok=True)
         resume = self._committed_step()

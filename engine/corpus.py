@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from checkpointing.layout import fsync_path, sha256_file
+from durable import fsync_path, sha256_file
 from engine.config import DataError
 
 FORMAT = "llm-pretrain-corpus"

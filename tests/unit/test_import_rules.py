@@ -60,3 +60,16 @@ def test_engine_modules_the_supervisor_may_load_do_not_import_mindspore(name):
 def test_engine_imports_no_daemon_module_but_protocol(path):
     for name in _imports(path):
         assert not name.startswith("daemon") or name == "daemon.protocol", f"{path.name} imports {name}"
+
+
+def test_durable_is_stdlib_only():
+    import sys
+    for name in _imports(ROOT / "durable" / "__init__.py"):
+        assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
+
+
+def test_one_atomic_writer_in_the_tree():
+    """Every atomic replace goes through durable.write_atomically: one definition site of os.replace."""
+    sites = [p.relative_to(ROOT).as_posix() for pkg in ("daemon", "engine", "checkpointing", "durable")
+             for p in _files(pkg) if "os.replace(" in p.read_text()]
+    assert sites == ["durable/__init__.py"], sites

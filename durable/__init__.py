@@ -1,0 +1,45 @@
+"""Durable files: the one place that knows how to put bytes on disk so a crash never shows half of them.
+
+Owns: fsync of a path, the atomic writer (temporary name, fsync, rename over
+the target, fsync of the directory) and the sha256 of a file. Everyone uses
+these — the checkpoint writer, the corpus writer, the daemon's state, control,
+metrics and unit files. Stdlib only; imports nothing of the project.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+
+def fsync_path(path: Path | str) -> None:
+    """fsync a file or a directory by path (a directory's fsync makes its renames durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path | str, chunk_bytes: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk_bytes):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_atomically(path: Path | str, data: str | bytes, *, sync_dir: bool = True) -> None:
+    """Writes `data` to a hidden temporary name beside `path`, fsyncs it and renames it over `path`:
+    readers see the old file or the whole new one, never a part (someone polling for `path` never
+    finds it empty). `sync_dir` also fsyncs the directory, making the rename itself durable; a
+    caller that fsyncs the directory after several writes may skip it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if sync_dir:
+        fsync_path(path.parent)
