@@ -52,7 +52,9 @@ def main() -> None:
                                                                 "checkpoint.keep_last=2"])
         trainer = Trainer(cfg, runtime.setup(cfg))
         events = []
-        ckpt = TrainerCheckpoints(trainer, cfg, Path(tmp) / "checkpoints", emit=events.append)
+        ckpt = TrainerCheckpoints(Path(tmp) / "checkpoints", cfg, params=trainer.state_params(),
+                                  run_state=trainer.run_state, load_run_state=trainer.load_run_state, rank=0,
+                                  world=1, generation=0, emit=events.append, retain=True)
         state_bytes = sum(p.asnumpy().nbytes for p in ckpt.params)
         for _ in range(3):
             trainer.train_step()

@@ -1,7 +1,17 @@
-"""Which committed checkpoints to delete: pure, no files."""
+"""Which committed checkpoints to delete, and deleting them.
+
+Owns the retention rule (`select_for_deletion`: pure, no files, tested with
+tables) and its one effect (`retire_old`: scan a root, retire what the rule
+selects). Who runs it is the caller's choice: the supervisor after each commit
+it hears of (it knows which checkpoints its incidents need), or rank 0 of a
+`llm-pretrain train` running alone. The writer's commit path never decides.
+"""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Collection, Sequence
+
+from checkpointing import layout
 
 
 def select_for_deletion(steps: Sequence[int], *, keep_last: int, keep_every: int = 0,
@@ -16,8 +26,13 @@ def select_for_deletion(steps: Sequence[int], *, keep_last: int, keep_every: int
     return [s for s in ordered if s not in keep]
 
 
-def newest_settled(steps: Sequence[int], *, current_step: int, guard_steps: int) -> set[int]:
-    """The newest step at least `guard_steps` behind `current_step` (empty if none): a checkpoint no
-    incident detected from now on can make unhealthy, so retention must keep it."""
-    settled = [s for s in steps if s <= current_step - guard_steps]
-    return {max(settled)} if settled else set()
+def retire_old(root: str | Path, *, keep_last: int, keep_every: int = 0,
+               protected: Collection[int] = ()) -> list[int]:
+    """Retires (layout.retire) every committed checkpoint under `root` that select_for_deletion picks;
+    returns their steps, ascending."""
+    root = Path(root)
+    doomed = select_for_deletion(layout.committed_steps(root), keep_last=keep_last, keep_every=keep_every,
+                                 protected=protected)
+    for step in doomed:
+        layout.retire(root, step)
+    return doomed

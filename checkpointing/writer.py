@@ -6,7 +6,7 @@ Protocol, on a filesystem every rank sees (no collective needed):
 2. rank 0, once all W markers are there, writes `manifest.json` (tensor →
    shard, shapes, dtypes, sha256 per shard, step, world size, run state),
    fsyncs it, renames `step-N.tmp/` to `step-N/`, fsyncs the parent, then
-   updates `LATEST` atomically and applies retention.
+   updates `LATEST` atomically and calls the `on_commit` hook, if any.
 A crash at any moment leaves either the previous checkpoints or the new one
 complete; `*.tmp` directories are never loaded and are removed at the next start.
 
@@ -16,6 +16,10 @@ cycles the training step leaves idle. A save due while this rank's previous one
 is still being written waits for it (reported as "waited"), never doubles up.
 Errors never propagate into training: they are reported as "failed" events
 and kept in `last_error`.
+
+Retention is not the writer's decision (see checkpointing.retention): the
+caller retires old checkpoints from `on_commit`, or, for a writer used on its
+own, passes `keep_last`.
 """
 from __future__ import annotations
 
@@ -48,12 +52,16 @@ def _write_durably(path: Path, data: bytes) -> None:
 
 class ShardWriter:
     def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
-                 keep_last: int = 3, keep_every: int = 0, protected: Callable[[], set[int]] = set,
-                 commit_timeout_s: float = 300.0, low_priority: bool = True):
+                 on_commit: Callable[[int], None] | None = None, keep_last: int | None = None,
+                 keep_every: int = 0, commit_timeout_s: float = 300.0, low_priority: bool = True):
+        """`on_commit(step)` runs on rank 0's writer thread right after `step` is committed (an error
+        it raises is reported like a failed save). `keep_last`/`keep_every`, for a writer used on
+        its own, retire old checkpoints after each commit (retention.retire_old); None: never."""
         self.root = Path(root)
         self.rank, self.world = rank, world
         self.emit = emit or (lambda stage, **info: None)
-        self.keep_last, self.keep_every, self.protected = keep_last, keep_every, protected
+        self.on_commit = on_commit
+        self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout_s = commit_timeout_s
         self.low_priority = low_priority
         self.last_error: BaseException | None = None   # of the latest save; None while it goes well
@@ -156,9 +164,9 @@ class ShardWriter:
         durable.write_atomically(self.root / layout.LATEST, layout.step_name(step) + "\n")
         self.last_committed = step
         self.emit("committed", step=step, seconds=time.monotonic() - started)
-        doomed = retention.select_for_deletion(layout.committed_steps(self.root), keep_last=self.keep_last,
-                                               keep_every=self.keep_every, protected=self.protected())
-        for old in doomed:
-            layout.retire(self.root, old)
-        if doomed:
-            self.emit("retired", step=step, steps=doomed)
+        if self.keep_last is not None:
+            doomed = retention.retire_old(self.root, keep_last=self.keep_last, keep_every=self.keep_every)
+            if doomed:
+                self.emit("retired", step=step, steps=doomed)
+        if self.on_commit is not None:
+            self.on_commit(step)

@@ -1,19 +1,23 @@
 """The trainer's state as a checkpoint: what is saved, from which rank, and how it comes back.
 
-Owns the adaptation between engine.worker.Trainer and the `checkpointing`
-package: the tensors (model parameters, AdamW moments and count, loss-scaler
-state; named as in the model, `adam_m.<name>`, `adam_v.<name>`, …), which
-rank writes which (a size-balanced split every rank computes alike), the run
-state rank 0 adds (step, data cursor and skip ranges, lr overrides, config
-hash and trajectory, seeds, metrics at save), and restoring all of it — into
-any data-parallel world size, since every rank loads every tensor.
+Owns the adaptation between the trainer's state and the `checkpointing`
+package: the tensors it is given (model parameters, AdamW moments and count,
+loss-scaler state; named as in the model, `adam_m.<name>`, `adam_v.<name>`, …),
+which rank writes which (a size-balanced split every rank computes alike), the
+manifest's run state (the trainer's own — step, data cursor and epoch, skip
+ranges, lr overrides, from its `run_state()` — plus what this adapter adds:
+format version, config hash and trajectory, seeds, world size, metrics at
+save), restoring all of it — into any data-parallel world size, since every
+rank loads every tensor — and, when asked to, retention after each commit.
+It never touches the trainer itself: it is handed its parameters and its
+run_state/load_run_state pair.
 """
 from __future__ import annotations
 
 import platform
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import mindspore as ms
 import numpy as np
@@ -23,11 +27,9 @@ import checkpointing
 from checkpointing import layout, partition, reader, retention
 from checkpointing.writer import ShardWriter
 from daemon.protocol import CheckpointEvent
-from engine import schedule
 from engine.config import Config, ConfigError, config_hash, trajectory_dict
 
 RUN_STATE_VERSION = 1
-TEARDOWN_SLACK_STEPS = 50    # steps a rank may still make between an incident's detection and its teardown
 
 
 def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error: type[Exception]) -> None:
@@ -54,42 +56,43 @@ def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 class TrainerCheckpoints:
-    def __init__(self, trainer, cfg: Config, root: Path, *, emit: Callable[[CheckpointEvent], None]):
-        self.trainer, self.cfg, self.root = trainer, cfg, Path(root)
-        self.rank, self.world = trainer.rank_info.rank, trainer.rank_info.world_size
+    def __init__(self, root: Path, cfg: Config, *, params: Sequence[ms.Parameter],
+                 run_state: Callable[[], dict[str, Any]], load_run_state: Callable[[dict[str, Any]], None],
+                 rank: int, world: int, generation: int, emit: Callable[[CheckpointEvent], None],
+                 retain: bool = False):
+        """`params`: every Parameter to save and restore; `run_state()` returns the trainer's
+        non-tensor state (its "step" is the step saved) and `load_run_state` takes it back.
+        `retain`: apply checkpoint.keep_last / keep_every_steps after each commit (only rank 0
+        commits) — for a rank running alone; under the supervisor, retention is the supervisor's."""
+        self.cfg, self.root = cfg, Path(root)
+        self.rank, self.world, self.generation = rank, world, generation
+        self._run_state, self._load_run_state = run_state, load_run_state
         self._emit_event = emit
-        self.params = [*trainer.net.trainable_params(), *trainer.step_fn.state()]
+        self.params = list(params)
         sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
         self.plan = partition.assign(sizes, self.world)
         self._staging: dict[str, np.ndarray] = {}
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
-                                  keep_last=cfg.checkpoint.keep_last, keep_every=cfg.checkpoint.keep_every_steps,
-                                  protected=self.protected)
+                                  on_commit=self._retire if retain else None)
 
-    def protected(self) -> set[int]:
-        """Checkpoints retention must keep: the newest one old enough that no incident detected from
-        now on can make it unhealthy (an incident is detected at most hold/storm steps after its start,
-        the ranks are stopped within TEARDOWN_SLACK_STEPS more, and a checkpoint within the
-        rollback margin before that start is unhealthy). Checkpoints
-        inside earlier incidents are no longer committed: the rollback renamed them. Called from
-        the writer's thread."""
-        h = self.cfg.health
-        guard = h.rollback_margin_steps + max(h.loss_spike_hold_steps, h.overflow_storm_steps) + TEARDOWN_SLACK_STEPS
-        return retention.newest_settled(layout.committed_steps(self.root), current_step=self.trainer.step,
-                                        guard_steps=guard)
+    def _retire(self, step: int) -> None:
+        """After the commit of `step`, on the writer's thread."""
+        c = self.cfg.checkpoint
+        doomed = retention.retire_old(self.root, keep_last=c.keep_last, keep_every=c.keep_every_steps)
+        if doomed:
+            self._emit("retired", step=step, steps=doomed)
 
     def _emit(self, stage: str, *, step: int, seconds: float = 0.0, error: str = "", steps=(),
               detail: str = "") -> None:
         detail = detail or error or (f"deleted steps {', '.join(map(str, steps))}" if steps else "")
-        self._emit_event(CheckpointEvent(rank=self.rank, generation=self.trainer.generation, step=step,
+        self._emit_event(CheckpointEvent(rank=self.rank, generation=self.generation, step=step,
                                          stage=stage, seconds=seconds, detail=detail))
 
     # Saving ------------------------------------------------------------------
-    def run_state(self, metrics: dict[str, float]) -> dict[str, Any]:
-        t = self.trainer
-        return {"version": RUN_STATE_VERSION, "step": t.step, "data_cursor": t.cursor,
-                "data_epoch": t.cursor // t.source.samples_per_epoch,
-                "skip_ranges": [list(r) for r in t.skips], "lr_overrides": [o.to_dict() for o in t.overrides],
+    def manifest_run_state(self, trainer_state: dict[str, Any], metrics: dict[str, float]) -> dict[str, Any]:
+        """The manifest's run_state: the trainer's keys (step, data_cursor, data_epoch, skip_ranges,
+        lr_overrides) and this adapter's; its keys are the format old checkpoints were saved in."""
+        return {"version": RUN_STATE_VERSION, **trainer_state,
                 "config_hash": config_hash(self.cfg), "trajectory": trajectory_dict(self.cfg),
                 "seeds": {"train": self.cfg.train.seed, "data": self.cfg.data.seed},
                 "dp_world_size": self.world, "metrics": metrics}
@@ -100,7 +103,8 @@ class TrainerCheckpoints:
         asnumpy() is a view of the live parameter, so a copy is needed; it goes into staging
         buffers allocated once and reused, which is safe because the previous save is finished
         first (ready), and much faster than fresh allocations (no page faults)."""
-        step = self.trainer.step
+        state = self._run_state()
+        step = state["step"]
         self.writer.ready(step)
         started = time.monotonic()
         mine = self._staging
@@ -112,7 +116,7 @@ class TrainerCheckpoints:
                 np.copyto(mine[p.name], view)
         versions = {"llm_pretrain": "0.1.0", "mindspore": ms.__version__, "numpy": np.__version__,
                     "safetensors": safetensors.__version__, "python": platform.python_version()}
-        self.writer.save(step, mine, run_state=self.run_state(metrics) if self.rank == 0 else None,
+        self.writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
                          versions=versions)
         self._emit("staged", step=step, seconds=time.monotonic() - started)
 
@@ -123,7 +127,8 @@ class TrainerCheckpoints:
 
     # Restoring ---------------------------------------------------------------
     def restore_latest(self, *, allow_config_change: bool = False) -> dict[str, Any] | None:
-        """Loads the newest verified checkpoint into the trainer; returns its run state, or None if there is none."""
+        """Loads the newest verified checkpoint into the parameters and (load_run_state) the trainer;
+        returns its run state, or None if there is none."""
         if self.rank == 0:
             for name in layout.remove_temporaries(self.root):
                 self._emit("removed", step=layout.parse_step(name.removesuffix(".tmp")) or 0,
@@ -145,9 +150,6 @@ class TrainerCheckpoints:
                               "--allow-config-change to resume anyway")
         set_parameters(self.params, reader.load_tensors(path, manifest), source=str(path),
                        error=checkpointing.CheckpointError)
-        t = self.trainer
-        t.step, t.cursor = state["step"], state["data_cursor"]
-        t.set_skips([tuple(r) for r in state["skip_ranges"]])
-        t.overrides = [schedule.LrOverride.from_dict(o) for o in state["lr_overrides"]]
-        self._emit("restored", step=t.step, seconds=time.monotonic() - started, detail=str(path))
+        self._load_run_state(state)
+        self._emit("restored", step=state["step"], seconds=time.monotonic() - started, detail=str(path))
         return state

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Sequence, TextIO
+from typing import Any, Iterator, Sequence, TextIO
 
 import numpy as np
 
@@ -60,6 +60,24 @@ class Trainer:
         self.skips = data.merge_ranges(skips)
         self._fed = None
 
+    # The trainer's state, in the manner of torchtitan's state_dict ------------
+    def state_params(self) -> list:
+        """Every Parameter a checkpoint carries: the model's, then the step's (AdamW, loss scaler)."""
+        return [*self.net.trainable_params(), *self.step_fn.state()]
+
+    def run_state(self) -> dict[str, Any]:
+        """The non-tensor state a checkpoint carries, as JSON-ready values (keys as in the manifest)."""
+        return {"step": self.step, "data_cursor": self.cursor,
+                "data_epoch": self.cursor // self.source.samples_per_epoch,
+                "skip_ranges": [list(r) for r in self.skips],
+                "lr_overrides": [o.to_dict() for o in self.overrides]}
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        """The inverse of run_state (data_epoch follows from the cursor); extra keys are ignored."""
+        self.step, self.cursor = int(state["step"]), int(state["data_cursor"])
+        self.set_skips([(int(a), int(b)) for a, b in state["skip_ranges"]])   # also drops the feed at the old cursor
+        self.overrides = [schedule.LrOverride.from_dict(o) for o in state["lr_overrides"]]
+
     def train_step(self, *, poison: float = 1.0, control: np.ndarray | None = None,
                    corrupt: bool = False) -> StepEvent:
         """Runs optimizer step number self.step + 1 and returns its event; `agreed_control` then holds
@@ -97,19 +115,12 @@ class Trainer:
     def apply_recovery(self, recovery: Recovery, restored_step: int) -> int:
         """The policy's directive after a rollback (see daemon.protocol.Recovery); returns the step
         at which the loss-scale cap it set must be lifted (0: no cap)."""
+        from engine import loss_scale
+
         self.set_skips([*self.skips, *recovery.skip_ranges])
         self.overrides = list(recovery.lr_overrides)
-        scaler = self.step_fn.scaler
-        if not scaler.dynamic:
-            return 0
-        import mindspore as ms
-
-        if recovery.loss_scale is not None and restored_step == recovery.checkpoint_step:
-            scaler.scale.set_data(ms.Tensor(recovery.loss_scale, ms.float32))
-            scaler.good_steps.set_data(ms.Tensor(0, ms.int32))
-        capped = recovery.loss_scale_cap is not None and self.step < recovery.loss_scale_cap_until_step
-        scaler.cap.set_data(ms.Tensor(recovery.loss_scale_cap if capped else float("inf"), ms.float32))
-        return recovery.loss_scale_cap_until_step if capped else 0
+        plan = loss_scale.after_recovery(recovery, restored_step=restored_step, step=self.step)
+        return self.step_fn.scaler.follow(plan)
 
     def init_from_hf(self, directory: str) -> int:
         """Sets every model parameter from a Hugging Face LLaMA directory; returns the count."""
@@ -123,9 +134,7 @@ class Trainer:
         return len(params)
 
     def lift_loss_scale_cap(self) -> None:
-        import mindspore as ms
-
-        self.step_fn.scaler.cap.set_data(ms.Tensor(float("inf"), ms.float32))
+        self.step_fn.scaler.lift_cap()
 
     def params_sha256(self) -> str:
         digest = hashlib.sha256()
@@ -170,7 +179,12 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     trainer = Trainer(cfg, rank_info, generation=generation, source=source)
     from engine.checkpoint import TrainerCheckpoints
 
-    ckpt = TrainerCheckpoints(trainer, cfg, cfg.run.resolved_dir(env) / "checkpoints", emit=sink.emit)
+    # Under the supervisor, retention is its job: it knows which checkpoints its incidents still need.
+    retain = rank_info.rank == 0 and not env.get(ENV_EVENT_SOCKET)
+    ckpt = TrainerCheckpoints(cfg.run.resolved_dir(env) / "checkpoints", cfg, params=trainer.state_params(),
+                              run_state=trainer.run_state, load_run_state=trainer.load_run_state,
+                              rank=rank_info.rank, world=rank_info.world_size, generation=generation,
+                              emit=sink.emit, retain=retain)
     restored = ckpt.restore_latest(allow_config_change=allow_config_change)
     if restored is None and cfg.model.init_from:
         count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))

@@ -163,3 +163,41 @@ def test_a_shard_loads_with_mindspores_own_loader(mindspore_cpu, cli, quiet_env,
     assert "model.layers.0.self_attn.q_proj.weight" in theirs and "adam_m.lm_head.weight" in theirs
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["run_state"]["data_cursor"] == 24 and manifest["run_state"]["step"] == 3
+
+
+def test_the_trainers_state_round_trips_through_a_checkpoint_and_retention_is_opt_in(make_trainer, tmp_path):
+    """In process: TrainerCheckpoints saves what Trainer.run_state gives it, under the manifest's
+    long-standing keys, and load_run_state takes it back; retention only when asked (rank 0 alone)."""
+    from daemon.protocol import LrOverride
+    from engine.checkpoint import TrainerCheckpoints
+
+    root, events = tmp_path / "checkpoints", []
+
+    def checkpoints(trainer, *, retain):
+        return TrainerCheckpoints(root, trainer.cfg, params=trainer.state_params(), run_state=trainer.run_state,
+                                  load_run_state=trainer.load_run_state, rank=0, world=1, generation=0,
+                                  emit=events.append, retain=retain)
+
+    a = make_trainer("checkpoint.keep_last=1")
+    a.set_skips([(40, 48)])
+    a.overrides = [LrOverride(start_step=2, factor=0.5, hold_steps=3, ramp_steps=3)]
+    plain = checkpoints(a, retain=False)
+    for _ in range(2):
+        a.train_step()
+        plain.save({"loss": 1.0})
+        assert plain.wait()
+    assert layout.committed_steps(root) == [1, 2]
+    a.train_step()
+    retaining = checkpoints(a, retain=True)
+    retaining.save({"loss": 1.0})
+    assert retaining.wait() and layout.committed_steps(root) == [3]
+    assert [e.detail for e in events if e.stage == "retired"] == ["deleted steps 1, 2"]
+    saved = reader.read_manifest(layout.step_dir(root, 3))["run_state"]
+    assert sorted(saved) == sorted(["version", "step", "data_cursor", "data_epoch", "skip_ranges", "lr_overrides",
+                                    "config_hash", "trajectory", "seeds", "dp_world_size", "metrics"])
+    assert saved["skip_ranges"] == [[40, 48]] and saved["step"] == 3
+
+    b = make_trainer("checkpoint.keep_last=1")
+    assert checkpoints(b, retain=False).restore_latest()["step"] == 3
+    assert b.run_state() == a.run_state() and b.params_sha256() == a.params_sha256()
+    assert b.train_step().loss == a.train_step().loss

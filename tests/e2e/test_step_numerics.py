@@ -101,3 +101,43 @@ def test_model_variants_learn(make_trainer, overrides):
     trainer = make_trainer(*overrides)
     losses = [trainer.train_step().loss for _ in range(40)]
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.3
+
+
+RECOVERY = dict(checkpoint_step=50, loss_scale=1024.0, loss_scale_cap=1024.0, loss_scale_cap_until_step=1050)
+
+
+@pytest.mark.parametrize("recovery,restored,step,plan", [
+    (RECOVERY, 50, 50, (1024.0, 1024.0, 1050)),         # the rollback target itself: restart, capped
+    (RECOVERY, 60, 60, (None, 1024.0, 1050)),           # a later restart: keep the saved scale, still capped
+    (RECOVERY, 1050, 1050, (None, None, 0)),            # past the cap's end: uncapped
+    ({"checkpoint_step": 50}, 50, 50, (None, None, 0)),  # a rollback that left the scale alone
+    ({**RECOVERY, "loss_scale": None}, 50, 50, (None, 1024.0, 1050)),
+])
+def test_what_a_recovery_asks_of_the_loss_scaler(recovery, restored, step, plan):
+    from daemon.protocol import Recovery
+    from engine.loss_scale import after_recovery
+
+    assert after_recovery(Recovery(**recovery), restored_step=restored, step=step) == plan
+
+
+def test_a_recovery_restarts_caps_and_then_lifts_the_fp16_scale(make_trainer):
+    from daemon.protocol import Recovery
+
+    trainer = make_trainer('train.precision="fp16"', "train.loss_scale_window_steps=2")
+    recovery = Recovery(checkpoint_step=0, loss_scale=8.0, loss_scale_cap=16.0, loss_scale_cap_until_step=6)
+    assert trainer.apply_recovery(recovery, restored_step=0) == 6
+    capped = [trainer.train_step() for _ in range(6)]
+    assert not any(e.skipped for e in capped)
+    assert [e.loss_scale for e in capped] == [8.0, 8.0, 16.0, 16.0, 16.0, 16.0]   # doubles every 2, up to 16
+    trainer.lift_loss_scale_cap()
+    assert [trainer.train_step().loss_scale for _ in range(3)] == [16.0, 16.0, 32.0]
+
+
+def test_fp32_ignores_the_loss_scale_part_of_a_recovery(make_trainer):
+    from daemon.protocol import Recovery
+
+    trainer = make_trainer()
+    assert trainer.apply_recovery(Recovery(**RECOVERY), restored_step=50) == 0
+    state = snapshot(trainer)
+    assert float(state["loss_scale"]) == 1.0 and float(state["loss_scale_cap"]) == INF
+    assert trainer.train_step().loss_scale == 1.0

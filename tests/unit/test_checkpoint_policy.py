@@ -2,7 +2,7 @@ import pytest
 
 from checkpointing import layout
 from checkpointing.partition import assign
-from checkpointing.retention import select_for_deletion
+from checkpointing.retention import retire_old, select_for_deletion
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 8])
@@ -33,9 +33,19 @@ def test_only_committed_directory_names_are_steps(name, step):
     assert layout.parse_step(name) == step
 
 
-@pytest.mark.parametrize("current,expected", [(55, set()), (69, {10}), (71, {20}), (100, {40}), (200, {100})])
-def test_retention_keeps_the_newest_checkpoint_no_later_detection_can_spoil(current, expected):
-    from checkpointing.retention import newest_settled
-
-    # guard 50: an incident found from now on starts at most 50 steps back (detection + margin)
-    assert newest_settled([10, 20, 40, 100], current_step=current, guard_steps=50) == expected
+@pytest.mark.parametrize("committed,keep_last,keep_every,protected,deleted", [
+    ([5, 10, 15, 20], 2, 0, (), [5, 10]),
+    ([5, 10, 15, 20], 1, 10, (), [5, 15]),
+    ([5, 10, 15, 20], 1, 0, (5,), [10, 15]),           # the supervisor's incidents need step 5
+    ([5, 10], 3, 0, (), []),
+    ([], 1, 0, (), []),
+])
+def test_retire_old_removes_exactly_the_selected_checkpoints(tmp_path, committed, keep_last, keep_every,
+                                                            protected, deleted):
+    for step in committed:
+        layout.step_dir(tmp_path, step).mkdir()
+        (layout.step_dir(tmp_path, step) / layout.MANIFEST).write_text("{}")
+    (tmp_path / "step-00000001.tmp").mkdir()             # not committed: never retention's business
+    assert retire_old(tmp_path, keep_last=keep_last, keep_every=keep_every, protected=protected) == deleted
+    assert layout.committed_steps(tmp_path) == [s for s in committed if s not in deleted]
+    assert sorted(p.name for p in tmp_path.iterdir() if layout.parse_step(p.name) is None) == ["step-00000001.tmp"]
