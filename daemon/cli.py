@@ -14,7 +14,7 @@ import traceback
 from typing import Sequence
 
 from checkpointing import CheckpointError
-from daemon.protocol import FAULTS, ExitCode
+from daemon.protocol import FAULTS, ExitCode, InjectRequest
 from daemon.runs import RunNotFoundError, resolve_run_dir
 from engine.config import ConfigError, DataError, config_hash, load_config
 
@@ -41,24 +41,19 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="the daemon: start this node's ranks, watch them, bring them back")
     _add_config_args(run)
 
+    _add_operations(sub)
+    _add_tools(sub)
+    return parser
+
+
+def _add_operations(sub) -> None:
+    """What an operator runs against a live or finished run."""
     ckpts = sub.add_parser("checkpoints", help="list, show or verify a run's checkpoints")
     ckpts.add_argument("action", choices=("list", "show", "verify"))
     ckpts.add_argument("run", metavar="RUN", help="a run directory, or a run name (./runs/NAME or "
                                                   "$STATE_DIRECTORY/NAME)")
     ckpts.add_argument("--step", type=int, help="show/verify this step (default: the newest; verify: all)")
     ckpts.add_argument("--json", action="store_true", help="machine-readable output")
-
-    prep = sub.add_parser("prepare-data", help="tokenize text files into a corpus for training")
-    prep.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
-                      help="a file, directory or glob (.txt, .md, .jsonl, source files), or @stdlib; repeatable")
-    prep.add_argument("--output", required=True, metavar="DIR", help="corpus directory to create")
-    prep.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
-                      help="'byte' (default: UTF-8 bytes + <|endoftext|>) or a Hugging Face tokenizer.json")
-    prep.add_argument("--eos-token", help="end-of-document token of a tokenizer.json (default: detected)")
-    prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
-    prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
-    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
-    prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
 
     inject = sub.add_parser("inject", help="fault drill: ask a running daemon's ranks for a fault (needs "
                                            "health.allow_fault_injection = true)")
@@ -84,13 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
     logs.add_argument("--rank", type=int, help="only events about this rank")
     logs.add_argument("--json", action="store_true", help="the JSON lines as they are")
 
-    for name, text in (("pause", "checkpoint, then hold every rank at the same step"),
-                       ("resume", "continue a paused run"),
-                       ("checkpoint", "checkpoint now and keep training"),
-                       ("stop", "checkpoint, then end the daemon with exit 0")):
-        ctl = sub.add_parser(name, help=f"{text} (a file in the run's control directory)")
+    from daemon.control import VERBS
+
+    for name, verb in VERBS.items():
+        if name == "inject":
+            continue                       # its own arguments, above
+        ctl = sub.add_parser(name, help=f"{verb.help} (a file in the run's control directory)")
         ctl.add_argument("run", metavar="RUN", help="a run directory, or a run name")
         ctl.add_argument("--reason", help="a note for the log")
+
+
+
+def _add_tools(sub) -> None:
+    """Data, interop, plots, services and configs."""
+    prep = sub.add_parser("prepare-data", help="tokenize text files into a corpus for training")
+    prep.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
+                      help="a file, directory or glob (.txt, .md, .jsonl, source files), or @stdlib; repeatable")
+    prep.add_argument("--output", required=True, metavar="DIR", help="corpus directory to create")
+    prep.add_argument("--tokenizer", default="byte", metavar="byte|PATH",
+                      help="'byte' (default: UTF-8 bytes + <|endoftext|>) or a Hugging Face tokenizer.json")
+    prep.add_argument("--eos-token", help="end-of-document token of a tokenizer.json (default: detected)")
+    prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
+    prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
+    prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
 
     export = sub.add_parser("export", help="write a checkpoint as Hugging Face LLaMA or mindformers weights")
     export.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -117,8 +129,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     show = sub.add_parser("config", help="validate a config and print it resolved, with its trajectory hash")
     _add_config_args(show)
-    return parser
-
 
 def _cmd_config(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
@@ -144,18 +154,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import os
-
     from daemon.supervisor import Supervisor
 
     cfg = load_config(args.config, args.overrides)
-    run_dir, log_dir = cfg.run.resolved_dir().resolve(), cfg.run.resolved_log_dir().resolve()
-    # Workers get the same config, with the paths made absolute so they agree with the daemon's.
+    # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`), not
+    # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
     worker_cmd = [sys.executable, "-m", "daemon.cli", "train"]
-    if args.config:
-        worker_cmd += ["--config", os.path.abspath(args.config)]
-    for override in [*args.overrides, f'run.dir="{run_dir}"', f'run.log_dir="{log_dir}"']:
-        worker_cmd += ["--set", override]
     scheduler_cmd = [sys.executable, "-m", "engine.scheduler"]
     return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd).run()
 
@@ -274,16 +278,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 def _cmd_inject(args: argparse.Namespace) -> int:
     from daemon import control
 
-    for name in ("at_step", "steps"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} = {value} must be >= 1")
-    if args.rank < 0 or (args.seconds is not None and args.seconds < 0):
-        raise ConfigError("--rank and --seconds must not be negative")
-    control_dir = _control_dir(args.run)
     body = {"fault": args.fault, "rank": args.rank, "at_step": args.at_step, "steps": args.steps,
-            "seconds": args.seconds, "reason": args.reason}
-    path = control.write_request(control_dir, "inject", {k: v for k, v in body.items() if v is not None})
+            "seconds": args.seconds}
+    try:
+        request = InjectRequest.from_dict({k: v for k, v in body.items() if v is not None})
+    except ValueError as e:
+        raise ConfigError(f"inject: {e}") from None
+    body = {**request.to_dict(), **({"reason": args.reason} if args.reason else {})}
+    path = control.write_request(_control_dir(args.run), "inject", body)
     print(f"requested: {path} (the daemon's log acknowledges it with a `control` event)")
     return ExitCode.OK
 

@@ -18,12 +18,48 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from daemon.protocol import InjectRequest
 from durable import write_atomically
 
-CONTROL_NAMES = ("pause", "resume", "checkpoint", "stop", "inject")
 MAX_BODY_BYTES = 65536
+SCAN_EVERY_S = 2.0          # scanned when the watcher flags a change, and at least this often
+
+
+def _no_args(body: dict[str, Any], cfg) -> dict[str, Any]:
+    return {}
+
+
+def _inject_args(body: dict[str, Any], cfg) -> dict[str, Any]:
+    if not cfg.health.allow_fault_injection:
+        raise ValueError("fault drills are off: set health.allow_fault_injection = true")
+    return InjectRequest.from_dict(body, world=cfg.parallel.world_size).to_dict()
+
+
+@dataclasses.dataclass(frozen=True)
+class Verb:
+    """A control request: what it asks (the CLI's help), the command it becomes for the ranks, and the
+    validation of its body (raises ValueError, naming what is wrong) into that command's args."""
+
+    help: str
+    command: str
+    validate: Callable[[dict[str, Any], Any], dict[str, Any]] = _no_args
+
+    def command_args(self, body: dict[str, Any], *, cfg) -> dict[str, Any]:
+        return self.validate(body, cfg)
+
+
+# The one table of control verbs: adding one is a line here and its handling in daemon.watch.
+VERBS = {
+    "pause": Verb("checkpoint, then hold every rank at the same step", "pause"),
+    "resume": Verb("continue a paused run", "resume"),
+    "checkpoint": Verb("checkpoint now and keep training", "checkpoint"),
+    "stop": Verb("checkpoint, then end the daemon with exit 0", "stop"),
+    "inject": Verb("fault drill: a fault in a rank (needs health.allow_fault_injection = true)", "inject",
+                   _inject_args),
+}
+CONTROL_NAMES = tuple(VERBS)
 
 
 class ControlDirError(RuntimeError):
@@ -59,6 +95,7 @@ class ControlDir:
         self._reported: set[str] = set()
         self._changed = threading.Event()
         self._observer = None
+        self._scanned_at = -SCAN_EVERY_S
 
     def watch(self) -> str:
         """Starts a `watchdog` observer (inotify; a polling observer where inotify is unavailable)
@@ -97,6 +134,13 @@ class ControlDir:
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
+
+    def poll(self, now: float) -> list[Request | Rejected]:
+        """`take()` when the watcher flagged a change or SCAN_EVERY_S passed since the last scan."""
+        if not self.changed() and now - self._scanned_at < SCAN_EVERY_S:
+            return []
+        self._scanned_at = now
+        return self.take()
 
     def take(self) -> list[Request | Rejected]:
         """Consumes the requests present, oldest first; returns them and the rejections."""

@@ -33,10 +33,12 @@ def _clean(value: Any) -> Any:
 class RotatingTee:
     """structlog's logger: each rendered line to the stream and to a size-rotated file."""
 
-    def __init__(self, path: Path, stream: TextIO, *, max_bytes: int, backups: int):
+    def __init__(self, path: Path | None, stream: TextIO, *, max_bytes: int, backups: int):
         self.path, self.stream, self.max_bytes, self.backups = path, stream, max_bytes, backups
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1)
+        self._file = None
+        if path is not None:              # None: the stream only (a daemon that may not touch the run)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", buffering=1)
 
     def _rotate(self) -> None:
         self._file.close()
@@ -51,15 +53,17 @@ class RotatingTee:
         self._file = open(self.path, "a", buffering=1)
 
     def msg(self, line: str) -> None:
-        if self.max_bytes and self._file.tell() + len(line) + 1 > self.max_bytes and self._file.tell() > 0:
-            self._rotate()
-        self._file.write(line + "\n")
+        if self._file is not None:
+            if self.max_bytes and self._file.tell() + len(line) + 1 > self.max_bytes and self._file.tell() > 0:
+                self._rotate()
+            self._file.write(line + "\n")
         print(line, file=self.stream, flush=True)
 
     debug = info = warning = error = critical = msg
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def _timestamp(_, __, event_dict: dict) -> dict:
@@ -78,7 +82,7 @@ def _schema(_, method: str, event_dict: dict) -> dict:
 
 
 class EventLog:
-    def __init__(self, path: Path, run: str, stream: TextIO = sys.stdout, *, max_bytes: int = 64 << 20,
+    def __init__(self, path: Path | None, run: str, stream: TextIO = sys.stdout, *, max_bytes: int = 64 << 20,
                  backups: int = 5):
         self._sink = RotatingTee(path, stream, max_bytes=max_bytes, backups=backups)
         self.run, self.generation = run, 0

@@ -12,25 +12,15 @@ or processes; the caller feeds step events in order.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from collections import deque
 from typing import Any
 
+from daemon.incidents import Incident, Kind
+from daemon.protocol import StepEvent
+
 MAD_TO_SIGMA = 1.4826   # MAD × this estimates σ for normal noise
-
-
-@dataclasses.dataclass(frozen=True)
-class Incident:
-    kind: str                 # loss_spike, grad_norm_spike, non_finite, overflow_storm, throughput_regression, loss_stalled
-    action_needed: bool       # False: a warning, reported but not acted on
-    first_step: int
-    last_step: int
-    evidence: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 class SpikeDetector:
@@ -114,43 +104,45 @@ class HealthMonitor:
         self.ignore_throughput = 2
         self.smooth.clear()
 
-    def observe(self, event: dict[str, Any]) -> list[Incident]:
-        step, out = event["step"], []
+    def observe(self, event: StepEvent) -> list[Incident]:
+        step, out = event.step, []
         out += self._non_finite(event)
-        if event["skipped"]:
+        if event.skipped:
             return out
-        if (ev := self.loss.observe(step, event["loss"])) is not None:
-            out.append(Incident("loss_spike", True, ev["steps"][0], step, ev))
-        if (ev := self.grad.observe(step, event["grad_norm"])) is not None:
-            out.append(Incident("grad_norm_spike", self.cfg.grad_norm_action == "rollback", ev["steps"][0], step, ev))
+        if (ev := self.loss.observe(step, event.loss)) is not None:
+            out.append(Incident(kind=Kind.LOSS_SPIKE, first_step=ev["steps"][0], last_step=step, evidence=ev))
+        if (ev := self.grad.observe(step, event.grad_norm)) is not None:
+            out.append(Incident(kind=Kind.GRAD_NORM_SPIKE, needs_action=self.cfg.grad_norm_action == "rollback",
+                                first_step=ev["steps"][0], last_step=step, evidence=ev))
         out += self._throughput(event)
         out += self._stall(event)
         return out
 
-    def _non_finite(self, event) -> list[Incident]:
-        step = event["step"]
-        if not event["skipped"]:
+    def _non_finite(self, event: StepEvent) -> list[Incident]:
+        step = event.step
+        if not event.skipped:
             self.skipped_run, self.storm_scale = [], None
             return []
         if self.precision != "fp16":
-            return [Incident("non_finite", True, step, step,
-                             {"loss": event["loss"], "grad_norm": event["grad_norm"], "precision": self.precision})]
+            return [Incident(kind=Kind.NON_FINITE, first_step=step, last_step=step, evidence={
+                "loss": event.loss, "grad_norm": event.grad_norm, "precision": self.precision})]
         if not self.skipped_run:
-            self.storm_scale, self.storm_reported = event["loss_scale"], False
+            self.storm_scale, self.storm_reported = event.loss_scale, False
         self.skipped_run.append(step)
-        at_floor = event["loss_scale"] <= self.loss_scale_min
+        at_floor = event.loss_scale <= self.loss_scale_min
         if self.storm_reported or (len(self.skipped_run) < self.cfg.overflow_storm_steps and not at_floor):
             return []          # the dynamic scaler handles isolated overflows by itself
         self.storm_reported = True
-        return [Incident("overflow_storm", True, self.skipped_run[0], step,
-                         {"skipped_in_a_row": len(self.skipped_run), "loss_scale": event["loss_scale"],
-                          "storm_start_scale": self.storm_scale, "at_floor": at_floor})]
+        return [Incident(kind=Kind.OVERFLOW_STORM, first_step=self.skipped_run[0], last_step=step,
+                         storm_start_scale=self.storm_scale,
+                         evidence={"skipped_in_a_row": len(self.skipped_run), "loss_scale": event.loss_scale,
+                                   "at_floor": at_floor})]
 
-    def _throughput(self, event) -> list[Incident]:
+    def _throughput(self, event: StepEvent) -> list[Incident]:
         if self.ignore_throughput:
             self.ignore_throughput -= 1
             return []
-        self.throughput.append(event["tokens_per_s"])
+        self.throughput.append(event.tokens_per_s)
         if len(self.throughput) < self.throughput.maxlen:
             return []
         current = statistics.median(self.throughput)
@@ -158,23 +150,23 @@ class HealthMonitor:
         if current < (1 - self.cfg.throughput_drop) * self.best_throughput:
             if not self.throughput_warned:
                 self.throughput_warned = True
-                return [Incident("throughput_regression", False, event["step"], event["step"],
-                                 {"tokens_per_s": current, "best_tokens_per_s": self.best_throughput,
+                return [Incident(kind=Kind.THROUGHPUT_REGRESSION, needs_action=False, first_step=event.step,
+                                 last_step=event.step, evidence={"tokens_per_s": current, "best_tokens_per_s": self.best_throughput,
                                   "drop": 1 - current / self.best_throughput})]
         else:
             self.throughput_warned = False
         return []
 
-    def _stall(self, event) -> list[Incident]:
-        self.smooth.append(event["loss"])
+    def _stall(self, event: StepEvent) -> list[Incident]:
+        self.smooth.append(event.loss)
         if len(self.smooth) < self.smooth.maxlen:
             return []
         level = statistics.median(self.smooth)
         if level < self.best_loss * (1 - self.cfg.loss_stall_min_delta):
-            self.best_loss, self.best_loss_step, self.stall_warned = level, event["step"], False
-        elif event["step"] - self.best_loss_step >= self.cfg.loss_stall_steps and not self.stall_warned:
+            self.best_loss, self.best_loss_step, self.stall_warned = level, event.step, False
+        elif event.step - self.best_loss_step >= self.cfg.loss_stall_steps and not self.stall_warned:
             self.stall_warned = True
-            return [Incident("loss_stalled", False, self.best_loss_step, event["step"],
-                             {"best_smoothed_loss": self.best_loss, "now": level,
-                              "steps_without_improvement": event["step"] - self.best_loss_step})]
+            return [Incident(kind=Kind.LOSS_STALLED, needs_action=False, first_step=self.best_loss_step,
+                             last_step=event.step, evidence={"best_smoothed_loss": self.best_loss, "now": level,
+                                                             "steps_without_improvement": event.step - self.best_loss_step})]
         return []

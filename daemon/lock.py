@@ -16,13 +16,22 @@ class LockHeldError(RuntimeError):
         self.pid = pid
 
 
+class LockUnusableError(RuntimeError):
+    """The lock file cannot be created or opened (permissions, a read-only or missing directory)."""
+
+
 class RunLock:
     def __init__(self, run_dir: Path):
         self.path = run_dir / "daemon.lock"
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Raises LockHeldError (another live daemon) or LockUnusableError (the file cannot be used)."""
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise LockUnusableError(f"cannot take the run's lock {self.path}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

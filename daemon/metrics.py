@@ -4,7 +4,7 @@
 Owns: the values the supervisor updates (step, loss, tokens/s, generation,
 restarts, incidents by kind, when the last checkpoint was committed), their
 rendering, the HTTP endpoint (a daemon thread; GET /metrics) and the
-textfile's atomic rewrite. Stdlib only.
+textfile's atomic rewrite.
 """
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from checkpointing import layout
 from durable import write_atomically
 
 PREFIX = "llm_pretrain"
+
+
+class MetricsPortError(RuntimeError):
+    """The metrics port cannot be listened on."""
 
 
 class Metrics:
@@ -103,6 +108,27 @@ class Metrics:
         if force or now - self._written_at >= every_s:
             self._written_at = now
             write_atomically(self._textfile, self.render())
+
+    def start(self, run, state, ckpt_root: Path) -> str | None:
+        """Seeds the values from the run so far (`state`: daemon.state.RunState; `run`: the config's
+        RunConfig), opens the textfile and the endpoint; returns the endpoint's URL, if any.
+        Raises MetricsPortError when the port cannot be listened on."""
+        steps = layout.committed_steps(ckpt_root)
+        if steps:
+            self.update(last_checkpoint_unix_s=layout.step_dir(ckpt_root, steps[-1]).stat().st_mtime, step=steps[-1])
+        self.update(restarts=state.restarts, generation=state.generation)
+        for record in state.incidents:
+            self.count_incident(record.kind.value)
+        if run.metrics_textfile:
+            self.textfile(Path(run.metrics_textfile))
+            self.flush(force=True)
+        if not run.metrics_port:
+            return None
+        try:
+            return f"http://127.0.0.1:{self.serve(run.metrics_port)}/metrics"
+        except OSError as e:
+            raise MetricsPortError(f"run.metrics_port = {run.metrics_port}: cannot listen on 127.0.0.1: "
+                                   f"{e.strerror or e}") from e
 
     def close(self) -> None:
         self.flush(force=True)

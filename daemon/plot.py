@@ -13,6 +13,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from daemon.incidents import Restart, Rollback
 from daemon.state import RunState
 
 COLORS = {"loss_spike": "tab:red", "non_finite": "tab:purple", "overflow_storm": "tab:orange",
@@ -57,28 +58,25 @@ def plot(run_dir: Path, out: Path) -> dict:
         ax_loss.plot(steps, losses, lw=0.8, label=f"generation {gen}")
         ax_lr.plot(steps, [e["lr"] for e in events], lw=0.9)
     marked = 0
-    for inc in state.incidents:
-        first, last = inc.get("first_step"), inc.get("last_step")
-        if first is None:
-            continue
-        color = COLORS.get(inc["kind"], "tab:blue")
-        action = inc.get("action") or {}
+    for record in state.incidents:
+        inc, action = record.incident, record.action
+        first, last = inc.first_step, inc.last_step
+        color = COLORS.get(inc.kind.value, "tab:blue")
         ax_loss.axvspan(first - 0.5, max(last, first) + 0.5, color=color, alpha=0.25 if action else 0.1, lw=0)
-        label = inc["kind"] + ("" if action else " (warning)")
-        if action.get("type") == "rollback":
-            target = action["checkpoint_step"]
+        label = inc.kind.value + ("" if action else " (warning)")
+        if isinstance(action, Rollback):
+            target = action.checkpoint_step
             ax_loss.annotate("", xy=(target, 0.92), xytext=(last, 0.92), xycoords=("data", "axes fraction"),
                              arrowprops={"arrowstyle": "->", "color": color})
             label += f" -> rollback to {target}"
-            if action.get("skip"):
-                label += f", skip samples {action['skip'][0]}-{action['skip'][1]}"
-            factors = [o["factor"] for o in action.get("lr_overrides") or []]
-            if factors:
-                label += f", lr x{factors[0]:g}"
-            if action.get("loss_scale"):
-                label += f", scale {action['loss_scale']:g}"
-        elif action.get("type") == "restart" and action.get("config_changes"):
-            label += " -> " + ", ".join(f"{k}={v}" for k, v in action["config_changes"].items())
+            if action.skip:
+                label += f", skip samples {action.skip[0]}-{action.skip[1]}"
+            if action.lr_overrides:
+                label += f", lr x{action.lr_overrides[0].factor:g}"
+            if action.loss_scale:
+                label += f", scale {action.loss_scale:g}"
+        elif isinstance(action, Restart) and action.config_changes:
+            label += " -> " + ", ".join(f"{k}={v}" for k, v in action.config_changes.items())
         ax_loss.text(first, 0.98 - 0.06 * (marked % 5), label, transform=ax_loss.get_xaxis_transform(),
                      fontsize=7, color=color, va="top")
         marked += 1

@@ -12,119 +12,117 @@ DESIGN.md's ladder:
   handle it as a non-finite incident of fp32;
 - out of memory: restart with recompute on; if it already is, halve the micro-batch and double
   accumulation (the global batch stays); with nothing smaller to try, give up (exit 3).
-Warnings need no action (None). Checkpoint health is derived from the incident log, never stamped.
-No clocks, files or processes here.
+Warnings are recorded, never decided on. Checkpoint health is derived from the incident log, never stamped.
+Also: merging a rollback into the recovery directive in force. No clocks, files or processes here.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Sequence
 
-from daemon.protocol import ExitCode, LrOverride
-from engine.config import Config
+from daemon.incidents import Action, Halt, Incident, Kind, Restart, Rollback
+from daemon.protocol import ExitCode, LrOverride, Recovery
+from engine.config import HealthConfig, TrainConfig
 
-NUMERIC = ("loss_spike", "grad_norm_spike", "non_finite")
-
-
-@dataclasses.dataclass(frozen=True)
-class Restart:
-    reason: str
-    config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)   # --set overrides for the ranks
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollback:
-    reason: str
-    checkpoint_step: int                      # resume from this committed step (0: from scratch)
-    skip: tuple[int, int] | None              # global sample range [a, b) never to train on again
-    lr_overrides: tuple[LrOverride, ...]      # the complete list in force after the rollback
-    loss_scale: float | None = None           # fp16: restart at this scale ...
-    loss_scale_cap_until_step: int | None = None   # ... and grow no higher until this step
-
-
-@dataclasses.dataclass(frozen=True)
-class Halt:
-    reason: str
-    code: int
-
-
-Action = Restart | Rollback | Halt
+NUMERIC = (Kind.LOSS_SPIKE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
 
 
 @dataclasses.dataclass(frozen=True)
 class RunHistory:
     """What the policy may look at: facts the supervisor keeps in state.json."""
 
-    incidents: Sequence[dict[str, Any]] = ()      # earlier incidents: kind, first_step, last_step (acted on)
+    incidents: Sequence[Incident] = ()            # earlier incidents that were rolled back
     committed_steps: Sequence[int] = ()           # committed checkpoints
     restarts_without_progress: int = 0            # counting the incident being decided
-    recompute: bool = False
-    micro_batch: int = 1
-    grad_accum_steps: int = 1
     sample_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # step -> [a, b)
 
 
-def is_healthy(step: int, incidents: Sequence[dict[str, Any]], margin: int) -> bool:
+def is_healthy(step: int, incidents: Sequence[Incident], margin: int) -> bool:
     """A checkpoint is unhealthy if its step lies inside an incident or within `margin` before its start."""
-    return not any(i["first_step"] - margin <= step <= i["last_step"] for i in incidents if i.get("numeric", True))
+    return not any(i.first_step - margin <= step <= i.last_step for i in incidents)
 
 
-def newest_healthy(committed: Sequence[int], incidents: Sequence[dict[str, Any]], margin: int,
+def newest_healthy(committed: Sequence[int], incidents: Sequence[Incident], margin: int,
                    before_step: int | None = None) -> int:
     """The newest healthy committed step (below `before_step` if given); 0 when none (start over)."""
     healthy = [s for s in committed if is_healthy(s, incidents, margin) and (before_step is None or s < before_step)]
     return max(healthy, default=0)
 
 
-def _recurrences(kinds: Sequence[str], incident: dict[str, Any], history: RunHistory, window: int) -> int:
+def _recurrences(kinds: Sequence[Kind], incident: Incident, history: RunHistory, window: int) -> int:
     # absolute distance: after a rollback the run replays steps, so a recurrence may start earlier
     return sum(1 for h in history.incidents
-               if h["kind"] in kinds and abs(incident["first_step"] - h["first_step"]) <= window)
+               if h.kind in kinds and abs(incident.first_step - h.first_step) <= window)
 
 
-def decide(incident: dict[str, Any], history: RunHistory, cfg: Config) -> Action | None:
-    h = cfg.health
-    kind = incident["kind"]
-    if not incident.get("action_needed", True):
-        return None
-    if kind in ("crash", "hang"):
+def decide(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
+    """The action for an incident that needs one (warnings never come here)."""
+    kind = incident.kind
+    if kind in (Kind.CRASH, Kind.HANG):
         if history.restarts_without_progress >= h.max_restarts_without_progress:
             return Halt(f"{history.restarts_without_progress} restarts without a new checkpoint",
                         ExitCode.GAVE_UP_CRASH_LOOP)
-        return Restart(f"{kind}: restart from the latest committed checkpoint")
-    if kind == "oom":
-        if not history.recompute:
-            return Restart("out of memory: recompute on", {"train.recompute": True})
-        if history.micro_batch > 1 and history.micro_batch % 2 == 0:
-            micro, accum = history.micro_batch // 2, history.grad_accum_steps * 2
-            return Restart(f"out of memory with recompute on: micro-batch {history.micro_batch} -> {micro}, "
-                           f"accumulation {history.grad_accum_steps} -> {accum}",
-                           {"train.micro_batch": micro, "train.grad_accum_steps": accum})
-        return Halt(f"out of memory at micro-batch {history.micro_batch} with recompute on: nothing smaller fits",
-                    ExitCode.GAVE_UP_CRASH_LOOP)
-    everything = [*history.incidents, {**incident, "numeric": True}]
+        return Restart(f"{kind.value}: restart from the latest committed checkpoint")
+    if kind is Kind.OOM:
+        return _smaller(train)
+    everything = [*history.incidents, incident]
     target = newest_healthy(history.committed_steps, everything, h.rollback_margin_steps,
-                            before_step=incident["first_step"] - h.rollback_margin_steps)
-    if kind == "overflow_storm":
-        n = _recurrences(("overflow_storm",), incident, history, h.recur_window_steps) + 1
-        start_scale = incident.get("evidence", {}).get("storm_start_scale") or cfg.train.loss_scale_init
+                            before_step=incident.first_step - h.rollback_margin_steps)
+    if kind is Kind.OVERFLOW_STORM:
+        n = _recurrences((Kind.OVERFLOW_STORM,), incident, history, h.recur_window_steps) + 1
+        start_scale = incident.storm_start_scale or train.loss_scale_init
         scale = start_scale * h.loss_scale_cut ** n
-        if scale >= cfg.train.loss_scale_min:
+        if scale >= train.loss_scale_min:
             return Rollback(f"fp16 overflow storm #{n}: loss scale {start_scale:g} -> {scale:g}, growth capped",
                             checkpoint_step=target, skip=None, lr_overrides=(), loss_scale=scale,
                             loss_scale_cap_until_step=target + h.loss_scale_cap_steps)
-        kind = "non_finite"               # no scale left to lower: treat it like fp32's non-finite
+        kind = Kind.NON_FINITE            # no scale left to lower: treat it like fp32's non-finite
     if kind in NUMERIC:
-        n = _recurrences(NUMERIC, incident, history, h.recur_window_steps) + 1
-        factor = h.lr_cut_factor ** n
-        if factor < h.lr_floor_factor:
-            return Halt(f"{kind} #{n} within {h.recur_window_steps} steps: an lr cut to x{factor:g} would pass "
-                        f"the floor x{h.lr_floor_factor:g}", ExitCode.GAVE_UP_NUMERICS)
-        first, last = incident["first_step"], incident["last_step"]
-        seen = [r for step, r in history.sample_ranges.items() if first <= step <= last]
-        skip = (min(a for a, _ in seen), max(b for _, b in seen)) if seen else None
-        override = LrOverride(start_step=target + 1, factor=factor, hold_steps=h.lr_hold_steps,
-                              ramp_steps=h.lr_ramp_steps)
-        return Rollback(f"{kind} #{n}: roll back to step {target}, skip samples {skip}, lr x{factor:g}",
-                        checkpoint_step=target, skip=skip, lr_overrides=(override,))
-    raise ValueError(f"no policy for incident kind {kind!r}")
+        return _cut_lr(kind, incident, history, h, target)
+    raise ValueError(f"no policy for incident kind {kind.value!r}")
+
+
+def _smaller(train: TrainConfig) -> Action:
+    """Out of memory: recompute on, then half the micro-batch at twice the accumulation."""
+    if not train.recompute:
+        return Restart("out of memory: recompute on", {"train.recompute": True})
+    if train.micro_batch > 1 and train.micro_batch % 2 == 0:
+        micro, accum = train.micro_batch // 2, train.grad_accum_steps * 2
+        return Restart(f"out of memory with recompute on: micro-batch {train.micro_batch} -> {micro}, "
+                       f"accumulation {train.grad_accum_steps} -> {accum}",
+                       {"train.micro_batch": micro, "train.grad_accum_steps": accum})
+    return Halt(f"out of memory at micro-batch {train.micro_batch} with recompute on: nothing smaller fits",
+                ExitCode.GAVE_UP_CRASH_LOOP)
+
+
+def _cut_lr(kind: Kind, incident: Incident, history: RunHistory, h: HealthConfig, target: int) -> Action:
+    n = _recurrences(NUMERIC, incident, history, h.recur_window_steps) + 1
+    factor = h.lr_cut_factor ** n
+    if factor < h.lr_floor_factor:
+        return Halt(f"{kind.value} #{n} within {h.recur_window_steps} steps: an lr cut to x{factor:g} would pass "
+                    f"the floor x{h.lr_floor_factor:g}", ExitCode.GAVE_UP_NUMERICS)
+    first, last = incident.first_step, incident.last_step
+    seen = [r for step, r in history.sample_ranges.items() if first <= step <= last]
+    skip = (min(a for a, _ in seen), max(b for _, b in seen)) if seen else None
+    override = LrOverride(start_step=target + 1, factor=factor, hold_steps=h.lr_hold_steps,
+                          ramp_steps=h.lr_ramp_steps)
+    return Rollback(f"{kind.value} #{n}: roll back to step {target}, skip samples {skip}, lr x{factor:g}",
+                    checkpoint_step=target, skip=skip, lr_overrides=(override,))
+
+
+def merge_recovery(previous: Recovery | None, rollback: Rollback) -> Recovery:
+    """The directive after `rollback`: skip ranges accumulate; the lr override list is the policy's
+    (it compounds earlier cuts) or, when it decided none (an fp16 storm), the one in force; a new
+    loss scale cap replaces the old, else the old one carries on."""
+    skips = list(previous.skip_ranges) if previous else []
+    if rollback.skip:
+        skips.append(tuple(rollback.skip))
+    lr = tuple(rollback.lr_overrides) or (previous.lr_overrides if previous else ())
+    if rollback.loss_scale is not None:
+        cap, until = rollback.loss_scale, rollback.loss_scale_cap_until_step or 0
+    elif previous is not None:
+        cap, until = previous.loss_scale_cap, previous.loss_scale_cap_until_step
+    else:
+        cap, until = None, 0
+    return Recovery(checkpoint_step=rollback.checkpoint_step, skip_ranges=tuple(skips), lr_overrides=lr,
+                    loss_scale=rollback.loss_scale, loss_scale_cap=cap, loss_scale_cap_until_step=until)

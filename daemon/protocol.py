@@ -204,6 +204,53 @@ COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release")
 FAULTS = ("nan", "spike", "hang", "crash", "slow", "oom")
 
 
+DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "slow": 100}
+DEFAULT_DRILL_SECONDS = {"hang": 3600.0, "slow": 0.5}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InjectRequest:
+    """A fault drill, as the CLI writes it, the daemon forwards it and each rank applies it: validated
+    here once, by `from_dict`, wherever it is read."""
+
+    fault: str                       # one of FAULTS
+    rank: int = 0                    # the rank that misbehaves
+    at_step: int | None = None       # the first step affected (None: the next)
+    steps: int | None = None         # steps affected (None: DEFAULT_DRILL_STEPS)
+    seconds: float | None = None     # hang: how long; slow: per step (None: DEFAULT_DRILL_SECONDS)
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any], *, world: int | None = None) -> "InjectRequest":
+        """Raises ValueError naming what is wrong and what is allowed."""
+        fault = body.get("fault")
+        if fault not in FAULTS:
+            raise ValueError(f"unknown fault {fault!r}: it must be one of {', '.join(FAULTS)}")
+        rank = body.get("rank", 0)
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0 or (world is not None and rank >= world):
+            raise ValueError(f"rank {rank!r} is not in [0, {world if world is not None else 'world size'})")
+        for key in ("at_step", "steps"):
+            value = body.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{key} = {value!r} must be an integer >= 1")
+        seconds = body.get("seconds")
+        if seconds is not None and (not isinstance(seconds, (int, float)) or isinstance(seconds, bool)
+                                    or not math.isfinite(seconds) or seconds < 0):
+            raise ValueError(f"seconds = {seconds!r} must be a number >= 0")
+        return cls(fault=fault, rank=rank, at_step=body.get("at_step"), steps=body.get("steps"),
+                   seconds=None if seconds is None else float(seconds))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    @property
+    def steps_or_default(self) -> int:
+        return self.steps or DEFAULT_DRILL_STEPS.get(self.fault, 1)
+
+    @property
+    def seconds_or_default(self) -> float:
+        return self.seconds if self.seconds is not None else DEFAULT_DRILL_SECONDS.get(self.fault, 0.0)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Command:
     """One line of the commands file: applied by every rank after the same step."""

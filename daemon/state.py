@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.incidents import IncidentRecord
+from daemon.protocol import Recovery
 from durable import write_atomically
 
 STATE_FILE = "state.json"
@@ -23,8 +25,8 @@ class RunState:
     restarts_without_progress: int = 0   # consecutive restarts with no new committed checkpoint
     last_committed_step: int = 0         # newest committed checkpoint when the last generation began
     status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
-    incidents: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # with the action taken
-    recovery: dict[str, Any] | None = None    # the policy's directive in force (daemon.protocol.Recovery)
+    incidents: list[IncidentRecord] = dataclasses.field(default_factory=list)   # with the action taken
+    recovery: Recovery | None = None     # the policy's directive in force
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
     last_control: dict[str, Any] = dataclasses.field(default_factory=dict)   # the last request taken: name, file, unix_s
@@ -41,8 +43,17 @@ class RunState:
             return cls()
         data = json.loads(path.read_text())
         known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = {k: v for k, v in data.items() if k in known}
+        fields["incidents"] = [IncidentRecord.from_dict(r) for r in fields.get("incidents") or ()]
+        fields["recovery"] = Recovery.from_dict(fields["recovery"]) if fields.get("recovery") else None
+        return cls(**fields)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["incidents"] = [r.to_dict() for r in self.incidents]
+        out["recovery"] = self.recovery.to_dict() if self.recovery else None
+        return out
 
     def save(self, run_dir: Path) -> None:
         self.updated_unix_s = time.time()
-        write_atomically(run_dir / STATE_FILE, json.dumps(dataclasses.asdict(self), indent=1, sort_keys=True))
+        write_atomically(run_dir / STATE_FILE, json.dumps(self.to_dict(), indent=1, sort_keys=True))

@@ -55,9 +55,9 @@ def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
             "progress_age_s": round(now - p["unix_s"], 1) if p.get("unix_s") else None,
             "generation": state.generation, "restarts": state.restarts,
             "last_incident": None if incident is None else {
-                "kind": incident["kind"], "first_step": incident.get("first_step"),
-                "action": (incident.get("action") or {}).get("type"),
-                "reason": (incident.get("action") or {}).get("reason") or incident.get("detail")},
+                "kind": incident.kind.value, "first_step": incident.incident.first_step,
+                "action": incident.action.to_dict()["type"] if incident.action else None,
+                "reason": incident.action.reason if incident.action else incident.incident.detail},
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
             "config_changes": state.config_changes or None,
             "last_request": None if not state.last_control else {

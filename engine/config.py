@@ -394,7 +394,29 @@ def _check_cross_section(cfg: Config) -> None:
 
 
 def _toml(value: Any) -> str:
+    """One TOML value (the config holds booleans, integers, finite floats and strings: JSON's
+    spelling of each is valid TOML)."""
     return json.dumps(value)
+
+
+def to_toml(cfg: Config, comments: typing.Sequence[str] = ()) -> str:
+    """The whole config as a TOML file that load_config reads back to an equal Config."""
+    lines = [f"# {c}" for c in comments]
+    for section, values in cfg.to_dict().items():
+        lines += ["", f"[{section}]"] if lines else [f"[{section}]"]
+        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+def with_changes(cfg: Config, changes: typing.Mapping[str, Any]) -> Config:
+    """cfg with "section.key" -> value changes applied, validated like any config."""
+    if not changes:
+        return cfg
+    data = cfg.to_dict()
+    for path, value in changes.items():
+        section, key = path.split(".", 1)
+        data[section][key] = value
+    return config_from_dict(data)
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Config)

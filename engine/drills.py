@@ -25,9 +25,7 @@ import signal
 import sys
 import time
 
-from daemon.protocol import ENV_MEMORY_LIMIT, FAULTS
-
-DEFAULT_STEPS = {"nan": 1, "spike": 8, "slow": 100}
+from daemon.protocol import ENV_MEMORY_LIMIT, InjectRequest
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,18 +50,17 @@ class Drills:
         if not self.allowed:
             self.log(f"ignoring inject command {seq}: health.allow_fault_injection = false")
             return
-        fault = args.get("fault")
-        if fault not in FAULTS:
-            self.log(f"ignoring inject command {seq}: unknown fault {fault!r}; known: {', '.join(FAULTS)}")
+        try:
+            req = InjectRequest.from_dict(args)
+        except ValueError as e:
+            self.log(f"ignoring inject command {seq}: {e}")
             return
-        if int(args.get("rank", 0)) != self.rank:
+        if req.rank != self.rank:
             return
-        first = max(int(args.get("at_step") or 0), applied_after_step + 1)
-        steps = int(args.get("steps") or DEFAULT_STEPS.get(fault, 1))
-        default_s = {"hang": 3600.0, "slow": 0.5}.get(fault, 0.0)
-        seconds = float(args["seconds"]) if args.get("seconds") is not None else default_s
-        self.pending.append(Drill(fault, first, max(steps, 1), seconds))
-        self.log(f"inject command {seq}: {fault} at step {first} for {max(steps, 1)} step(s) on rank {self.rank}")
+        first = max(req.at_step or 0, applied_after_step + 1)
+        steps = req.steps_or_default
+        self.pending.append(Drill(req.fault, first, steps, req.seconds_or_default))
+        self.log(f"inject command {seq}: {req.fault} at step {first} for {steps} step(s) on rank {self.rank}")
 
     def before_step(self, step: int) -> tuple[float, bool]:
         """Runs the process-level faults due before `step`; returns (poison, corrupt) for the step."""

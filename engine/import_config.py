@@ -135,12 +135,8 @@ def _leaves(doc: Any, prefix: str = "") -> list[str]:
 
 
 def to_toml(cfg: Config, unmapped: list[str], source: str) -> str:
-    from engine.config import _toml   # the one TOML value writer
+    from engine.config import to_toml as config_toml
 
-    lines = [f"# imported from {source} by `llm-pretrain import-config`",
-             "# keys of the YAML not mapped (check them):" if unmapped else "# every key of the YAML was mapped"]
-    lines += [f"#   {k}" for k in unmapped]
-    for section, values in cfg.to_dict().items():
-        lines += ["", f"[{section}]"]
-        lines += [f"{k} = {_toml(v)}" for k, v in values.items()]
-    return "\n".join(lines) + "\n"
+    comments = [f"imported from {source} by `llm-pretrain import-config`",
+                "keys of the YAML not mapped (check them):" if unmapped else "every key of the YAML was mapped"]
+    return config_toml(cfg, [*comments, *(f"  {k}" for k in unmapped)])

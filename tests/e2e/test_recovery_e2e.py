@@ -45,7 +45,7 @@ def _steps(run: Path, generation: int | None = None) -> dict[int, dict]:
 def _check_recorded(run, events, kind):
     """The incident and its action are in state.json and in the event log."""
     state = RunState.load(run)
-    acted = [i for i in state.incidents if i["kind"] == kind and i["action"]]
+    acted = [r.to_dict() for r in state.incidents if r.kind == kind and r.action]     # as JSON, like the log
     assert acted, f"no {kind} incident with an action in state.json"
     logged = [e for e in _named(events, "incident") if e["kind"] == kind]
     assert logged and logged[0]["action"] == acted[0]["action"]

@@ -13,16 +13,19 @@ which it resumes. Faults on cue, in chosen generations:
     --fault-generations G[,G...]   only in these generations (default: all)
 
 It honours the recovery directive (skip ranges move its sample ranges; lr
-overrides set the reported lr multiplier) and ignores `--set` arguments,
-printing them, so tests can see the config changes it was started with.
+overrides set the reported lr multiplier) and reads nothing from the config
+file the daemon hands it (`--config`) but prints its [train] and [optim]
+keys, so tests can see the config each generation was started with.
 """
 import argparse
 import faulthandler
+import json
 import os
 import signal
 import socket
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, CheckpointEvent, Command,
@@ -43,7 +46,7 @@ def main() -> int:
     ap.add_argument("--spike-at", type=int)
     ap.add_argument("--spike-steps", type=int, default=6)
     ap.add_argument("--hog-at", type=int)
-    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--config")
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
     a = ap.parse_args()
@@ -59,7 +62,12 @@ def main() -> int:
     sock.setblocking(False)
     path = os.environ.get(ENV_EVENT_SOCKET, "")
     emit = lambda e: (send_datagram(sock, path, e), print(e.to_json(), flush=True))
-    print(f"fake worker rank {rank} generation {generation} pid {os.getpid()} sets {a.set}", flush=True)
+    print(f"fake worker rank {rank} generation {generation} pid {os.getpid()}", flush=True)
+    if a.config:
+        with open(a.config, "rb") as f:
+            cfg = tomllib.load(f)
+        keys = [f"{s}.{k}={json.dumps(v)}" for s in ("train", "optim") for k, v in sorted(cfg[s].items())]
+        print(f"config {a.config}: {' '.join(keys)}", flush=True)
     recovery = None
     if os.environ.get(ENV_RECOVERY) and os.path.exists(os.environ[ENV_RECOVERY]):
         recovery = Recovery.from_json(Path(os.environ[ENV_RECOVERY]).read_text())

@@ -1,6 +1,6 @@
 """Runs the real Supervisor with the fake worker in place of `llm-pretrain train`.
 
-    python -m tests.integration.supervise_fake --set k=v ... -- FAKE_WORKER_ARGS...
+    python -m tests.integration.supervise_fake [--config FILE] --set k=v ... -- FAKE_WORKER_ARGS...
 """
 import sys
 
@@ -12,7 +12,8 @@ def main() -> int:
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     overrides = [argv[i + 1] for i in range(0, split, 2) if argv[i] == "--set"]
-    cfg = load_config(None, overrides)
+    config = next((argv[i + 1] for i in range(0, split, 2) if argv[i] == "--config"), None)
+    cfg = load_config(config, overrides)
     worker = [sys.executable, "-m", "tests.integration.fake_worker",
               "--run-dir", str(cfg.run.resolved_dir().resolve()), *argv[split + 1:]]
     return Supervisor(cfg, worker_cmd=worker, scheduler_cmd=None).run()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from daemon import memcg
+from daemon.incidents import Halt, Rollback
 from daemon.state import RunState
 from tests.integration.test_supervisor import _finish, _named, _start
 
@@ -42,12 +43,30 @@ def test_a_loss_spike_is_rolled_back_with_its_window_skipped_and_the_lr_cut(tmp_
         _named(events, "generation_start")[1]["resume_step"] == 25
     # the decision was on disk, and the next generation ran with it
     state = RunState.load(run)
-    assert state.incidents[-1]["action"]["type"] == "rollback" and state.status == "finished"
-    assert state.recovery["skip_ranges"] == [skip]
+    assert isinstance(state.incidents[-1].action, Rollback) and state.status == "finished"
+    assert state.recovery.skip_ranges == (tuple(skip),)
     gen2 = [e for e in _steps(run / "logs" / "rank-0.log") if e["generation"] == 2]
     assert gen2[0]["step"] == 26 and gen2[-1]["step"] == 60
     assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2), "skipped samples seen"
     assert all(e["lr_multiplier"] == 0.5 for e in gen2)
+
+
+def test_the_daemon_retires_old_checkpoints_but_keeps_the_one_a_rollback_needs(tmp_path):
+    # keep_last = 1: without the daemon's protection the spike at 30 would find nothing healthy to go back to
+    run = tmp_path / "run"
+    code, events, err = _finish(_start(run, overrides=[*QUICK_HEALTH, "checkpoint.keep_last=1"], fake=[
+        "--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"]))
+    assert code == 0, err
+    action = _named(events, "incident")[0]["action"]
+    starts = _named(events, "generation_start")
+    assert action["type"] == "rollback" and action["checkpoint_step"] == 25     # as with every checkpoint kept
+    assert starts[1]["resume_step"] == action["checkpoint_step"]        # it was still there
+    retired = [s for e in _named(events, "checkpoints_retired") if e["generation"] == 1 for s in e["steps"]]
+    # at the commit of 30 the daemon has seen step 30 or a little more: 20 or 25 is the newest settled one
+    assert retired in ([5, 10, 15], [5, 10, 15, 20])
+    # at the end (step 60, margin 4, hold 3: horizon 53): the newest healthy one at or before it, and later ones
+    left = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step-*") if p.name[5:].isdigit())
+    assert left == [50, 55, 60]
 
 
 def test_recurring_spikes_compound_the_cut_then_give_up_with_4(tmp_path):
@@ -61,7 +80,7 @@ def test_recurring_spikes_compound_the_cut_then_give_up_with_4(tmp_path):
     assert _named(events, "gave_up")[0]["code"] == 4
     assert _named(events, "daemon_exit")[-1]["reason"] == "numerics"
     state = RunState.load(run)
-    assert state.status == "gave_up" and state.incidents[-1]["action"]["type"] == "halt"
+    assert state.status == "gave_up" and isinstance(state.incidents[-1].action, Halt)
 
 
 def _memcg_available() -> bool:
@@ -91,7 +110,8 @@ def test_out_of_memory_is_told_from_a_crash_and_answered_with_smaller_batches(tm
     assert [e["oom_kills"]["0"] for e in ends] == [1, 1, 0]
     assert 0 < ends[-1]["peak_memory_bytes"]["0"] < limit
     log = (run / "logs" / "rank-0.log").read_text()
-    assert "generation 3" in log and "'train.micro_batch=4'" in log and "'train.grad_accum_steps=2'" in log
+    gen3 = log[log.index("generation 3"):].splitlines()[1]       # the config generation 3 started with
+    assert "train.micro_batch=4" in gen3 and "train.grad_accum_steps=2" in gen3 and "train.recompute=true" in gen3
     assert RunState.load(run).config_changes == {"train.recompute": True, "train.micro_batch": 4,
                                                  "train.grad_accum_steps": 2}
     cgroup_root = memcg.locate()[1]

@@ -14,11 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FAST = ["health.restart_backoff_initial_s=0.1", "health.restart_backoff_max_s=0.5", "run.kill_grace_s=2"]
 
 
-def _start(run_dir, overrides=(), fake=(), ranks=1, env=None):
+def _start(run_dir, overrides=(), fake=(), ranks=1, env=None, config=None):
     sets = [f'run.dir="{run_dir}"', *FAST, *overrides]
     if ranks > 1:
         sets += [f"parallel.dp={ranks}", f"train.micro_batch={8 // ranks}"]
-    args = sum((["--set", s] for s in sets), [])
+    args = sum((["--set", s] for s in sets), ["--config", str(config)] if config else [])
     env = dict(os.environ if env is None else env, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "tests.integration.supervise_fake", *args, "--", *fake],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -58,7 +58,7 @@ def test_crash_restarts_from_the_latest_checkpoint(tmp_path):
     # the fake ranks share no collective, so rank 0 may have saved once more before the teardown
     assert [s["generation"] for s in starts] == [1, 2] and starts[1]["resume_step"] == restart["resume_step"]
     state = RunState.load(tmp_path / "run")
-    assert state.restarts == 1 and state.incidents[0]["kind"] == "crash" and state.incidents[0]["rank"] == 1
+    assert state.restarts == 1 and state.incidents[0].kind == "crash" and state.incidents[0].incident.rank == 1
 
 
 def test_death_by_signal_is_a_crash(tmp_path):
@@ -121,11 +121,41 @@ def test_a_second_daemon_on_the_same_run_exits_5(tmp_path):
     while time.monotonic() < deadline and not (run / "daemon.lock").exists():
         time.sleep(0.05)
     time.sleep(0.5)
+    before = (run / "logs" / "events.jsonl").read_text()
     code, events, _ = _finish(_start(run, fake=["--steps", "3"]))
+    during = (run / "logs" / "events.jsonl").read_text()
     first.send_signal(signal.SIGTERM)
     _finish(first)
     assert code == 5
     assert _named(events, "locked")[0]["detail"].startswith("run directory is in use")
+    assert '"locked"' not in during and during.startswith(before), "the second daemon wrote into the live run's log"
+
+
+def test_a_lock_file_that_cannot_be_opened_is_a_config_error_78(tmp_path):
+    run = tmp_path / "run"
+    (run / "daemon.lock").mkdir(parents=True)                  # opening it for writing fails (even as root)
+    code, events, _ = _finish(_start(run, fake=["--steps", "3"]))
+    assert code == 78
+    (exit_event,) = _named(events, "daemon_exit")
+    assert exit_event["code"] == 78 and "cannot take the run's lock" in exit_event["detail"]
+    assert not (run / "logs").exists() and not (run / "state.json").exists()
+
+
+def test_editing_the_operators_config_mid_run_changes_nothing_until_the_daemon_restarts(tmp_path):
+    run, toml = tmp_path / "run", tmp_path / "op.toml"
+    toml.write_text("[optim]\nlr = 0.002\n")
+    proc = _start(run, config=toml, fake=["--steps", "40", "--interval", "5", "--start-delay-s", "1",
+                                          "--crash-at", "12", "--fault-generations", "1"])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (run / "logs" / "rank-0.log").exists():
+        time.sleep(0.05)
+    toml.write_text("[optim]\nlr = 0.5\n")                     # the operator edits the file mid-run
+    code, events, err = _finish(proc)
+    assert code == 0, err
+    assert [s["generation"] for s in _named(events, "generation_start")] == [1, 2]   # the crash restarted it
+    configs = [l for l in (run / "logs" / "rank-0.log").read_text().splitlines() if l.startswith("config ")]
+    assert len(configs) == 2 and all("optim.lr=0.002 " in l and "config.resolved.toml" in l for l in configs)
+    assert "lr = 0.002\n" in (run / "config.resolved.toml").read_text()
 
 
 def test_killed_daemon_orphans_are_cleaned_up_and_the_run_continues(tmp_path):

@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from daemon.hang import RankProgress, StepTimes, is_hung, timeout_s
-from daemon.protocol import Command
+from daemon.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
+from daemon.protocol import Command, LrOverride, Recovery
 from daemon.state import RunState
-from daemon.supervisor import socket_path
+from daemon.generation import socket_path
 from engine.commands import WINDOW, CommandReader
 from engine.config import HealthConfig, load_config
 
@@ -91,10 +92,18 @@ def test_no_commands_file_means_no_commands():
 
 
 def test_run_state_round_trips(tmp_path):
-    state = RunState(generation=3, restarts=2, incidents=[{"kind": "crash", "rank": 1}])
+    crash = Incident(kind=Kind.CRASH, first_step=7, last_step=7, rank=1, exit_code=-9, detail="rank 1: killed")
+    spike = Incident(kind=Kind.LOSS_SPIKE, first_step=30, last_step=33, evidence={"median": 2.0, "values": [9.0]})
+    cut = LrOverride(start_step=26, factor=0.5, hold_steps=200, ramp_steps=200)
+    records = [IncidentRecord(incident=crash, generation=1, unix_s=1.5, committed_step=5, action=Restart("crash")),
+               IncidentRecord(incident=spike, generation=2, unix_s=2.5, committed_step=30,
+                              action=Rollback("spike", checkpoint_step=25, skip=(232, 264), lr_overrides=(cut,))),
+               IncidentRecord(incident=spike, generation=3, unix_s=3.5, action=Halt("numerics", 4))]
+    recovery = Recovery(checkpoint_step=25, skip_ranges=((232, 264),), lr_overrides=(cut,))
+    state = RunState(generation=3, restarts=2, incidents=records, recovery=recovery)
     state.save(tmp_path)
     back = RunState.load(tmp_path)
-    assert (back.generation, back.restarts, back.incidents) == (3, 2, [{"kind": "crash", "rank": 1}])
+    assert (back.generation, back.restarts, back.incidents, back.recovery) == (3, 2, records, recovery)
     assert [p.name for p in tmp_path.iterdir()] == ["state.json"]
 
 

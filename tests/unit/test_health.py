@@ -7,8 +7,9 @@ import pytest
 
 from daemon.health import HealthMonitor
 from engine.config import HealthConfig
+from tests.unit.steps import step_event
 
-CURVES = Path(__file__).resolve().parents[3] / "shared" / "data" / "loss-curves"
+CURVES = Path(__file__).resolve().parents[1] / "data" / "loss-curves"     # provenance: README.md there
 CFG = HealthConfig()
 
 
@@ -20,7 +21,7 @@ def _curve(name):
 
 def _run(events, cfg=CFG, precision="fp32"):
     monitor = HealthMonitor(cfg, precision=precision)
-    return [i for e in events for i in monitor.observe(e)]
+    return [i for e in events for i in monitor.observe(step_event(**e))]
 
 
 def _stream(losses, start=1, **extra):
@@ -40,9 +41,9 @@ def test_the_unstable_curve_gets_a_warning_but_no_rollback():
     which the grad-norm detector reports as a warning (it acts only if told to)."""
     found = _run(_curve("highlr_6e-2.csv"))
     assert [i.kind for i in found] == ["grad_norm_spike"]
-    assert not found[0].action_needed and 1790 <= found[0].first_step <= 1800
+    assert not found[0].needs_action and 1790 <= found[0].first_step <= 1800
     acting = _run(_curve("highlr_6e-2.csv"), HealthConfig(grad_norm_action="rollback"))
-    assert [i.action_needed for i in acting] == [True]
+    assert [i.needs_action for i in acting] == [True]
 
 
 def _noisy(n, level=2.0, noise=0.05, seed=0):
@@ -84,7 +85,7 @@ def test_fp32_any_skipped_step_is_a_non_finite_incident():
     events = _stream(_noisy(20))
     events[10] = dict(events[10], skipped=True, loss=float("nan"), grad_norm=float("nan"))
     found = _run(events)
-    assert [(i.kind, i.first_step, i.action_needed) for i in found] == [("non_finite", 11, True)]
+    assert [(i.kind, i.first_step, i.needs_action) for i in found] == [("non_finite", 11, True)]
 
 
 def test_fp16_isolated_overflows_are_the_scalers_business_a_storm_is_an_incident():
@@ -96,7 +97,7 @@ def test_fp16_isolated_overflows_are_the_scalers_business_a_storm_is_an_incident
         events[i] = dict(events[i], skipped=True, loss_scale=65536.0 / 2 ** (i - 30))
     found = _run(events, precision="fp16")
     assert [(i.kind, i.first_step, i.last_step) for i in found] == [("overflow_storm", 31, 40)]
-    assert found[0].evidence["storm_start_scale"] == 65536.0
+    assert found[0].storm_start_scale == 65536.0
 
 
 def test_fp16_overflow_at_the_scale_floor_is_an_incident_at_once():
@@ -110,7 +111,7 @@ def test_throughput_regression_warns_once():
     for e in events[300:]:
         e["tokens_per_s"] = 5000.0
     found = [i for i in _run(events) if i.kind == "throughput_regression"]
-    assert len(found) == 1 and not found[0].action_needed
+    assert len(found) == 1 and not found[0].needs_action
     assert found[0].evidence["drop"] == pytest.approx(0.5)
 
 
@@ -118,5 +119,5 @@ def test_a_loss_that_stops_falling_warns():
     falling = [3.0 - 0.002 * i for i in range(500)]
     flat = _noisy(2600, level=falling[-1], noise=0.01)
     found = [i for i in _run(_stream(falling + flat)) if i.kind == "loss_stalled"]
-    assert len(found) == 1 and not found[0].action_needed
+    assert len(found) == 1 and not found[0].needs_action
     assert found[0].evidence["steps_without_improvement"] >= CFG.loss_stall_steps

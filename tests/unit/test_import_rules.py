@@ -73,3 +73,38 @@ def test_one_atomic_writer_in_the_tree():
     sites = [p.relative_to(ROOT).as_posix() for pkg in ("daemon", "engine", "checkpointing", "durable")
              for p in _files(pkg) if "os.replace(" in p.read_text()]
     assert sites == ["durable/__init__.py"], sites
+
+
+def test_the_supervisor_stays_a_small_loop_and_no_daemon_function_grows_past_60_lines():
+    assert len((ROOT / "daemon" / "supervisor.py").read_text().splitlines()) <= 250
+    long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)" for path in _files("daemon")
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60]
+    assert long == []
+
+
+def test_the_policy_decides_on_typed_incidents_not_dicts():
+    import inspect
+
+    from daemon import policy
+    from daemon.incidents import Incident
+
+    params = inspect.signature(policy.decide, eval_str=True).parameters
+    assert params["incident"].annotation is Incident
+    assert "dict" not in str(inspect.signature(policy.decide))
+
+
+@pytest.mark.parametrize("name", ["watch.py", "policy.py", "health.py", "hang.py", "incidents.py"])
+def test_the_deciding_modules_are_pure(name):
+    """No clock, no processes, no files, no sockets in what decides: tests drive it with literal times."""
+    banned = {"time", "os", "subprocess", "socket", "signal", "threading", "pathlib", "shutil"}
+    used = {n.split(".")[0] for n in _imports(ROOT / "daemon" / name)}
+    assert not used & (banned - ({"signal"} if name == "watch.py" else set())), used & banned
+
+
+def test_only_the_generation_module_sends_signals():
+    import re
+
+    sending = re.compile(r"os\.killpg\(|os\.kill\((?![^)]*,\s*0\))|\.send_signal\(|\.terminate\(\)")
+    senders = [p.name for p in _files("daemon") if sending.search(p.read_text())]
+    assert senders == ["generation.py"], senders

@@ -1,8 +1,10 @@
 """The recovery policy, table-driven: (incident, history, config) -> action."""
 import pytest
 
-from daemon.policy import Halt, Restart, Rollback, RunHistory, decide, is_healthy, newest_healthy
-from engine.config import load_config
+from daemon import policy
+from daemon.incidents import Halt, Incident, Kind, Restart, Rollback
+from daemon.policy import RunHistory, is_healthy, newest_healthy
+from engine.config import load_config, with_changes
 
 CFG = load_config(None)           # margin 10, cut 0.5, hold 200, ramp 200, floor 1/16, window 1000
 FP16 = load_config(None, ['train.precision="fp16"'])
@@ -10,17 +12,19 @@ CKPTS = (50, 100, 150, 200, 250)
 RANGES = {s: (8 * (s - 1), 8 * s) for s in range(1, 400)}
 
 
-def spike(first, last=None, kind="loss_spike", **extra):
-    return {"kind": kind, "first_step": first, "last_step": last or first + 2, "action_needed": True, **extra}
+def spike(first, last=None, kind="loss_spike", storm_start_scale=None):
+    return Incident(kind=Kind(kind), first_step=first, last_step=last or first + 2,
+                    storm_start_scale=storm_start_scale)
 
 
-def test_warnings_need_no_action():
-    assert decide({**spike(100), "action_needed": False}, RunHistory(), CFG) is None
+def decide(incident, history, cfg):
+    return policy.decide(incident, history, cfg.health, cfg.train)
 
 
 @pytest.mark.parametrize("restarts,expected", [(1, Restart), (2, Restart), (3, Halt), (5, Halt)])
 def test_crashes_restart_until_the_crash_loop_limit(restarts, expected):
-    action = decide({"kind": "crash", "first_step": 0, "last_step": 0}, RunHistory(restarts_without_progress=restarts), CFG)
+    action = decide(Incident(kind=Kind.CRASH, first_step=0, last_step=0), RunHistory(restarts_without_progress=restarts),
+                    CFG)
     assert isinstance(action, expected)
     if expected is Halt:
         assert action.code == 3
@@ -68,18 +72,18 @@ def test_fp32_non_finite_is_handled_like_a_spike():
 
 
 def test_fp16_overflow_storm_lowers_the_scale_and_caps_its_growth():
-    storm = spike(180, 189, kind="overflow_storm", evidence={"storm_start_scale": 65536.0})
+    storm = spike(180, 189, kind="overflow_storm", storm_start_scale=65536.0)
     action = decide(storm, RunHistory(committed_steps=CKPTS), FP16)
     assert isinstance(action, Rollback) and action.lr_overrides == ()
     assert action.loss_scale == 16384.0 and action.loss_scale < 65536.0
     assert action.checkpoint_step == 150 and action.loss_scale_cap_until_step == 150 + 1000
-    again = decide(spike(300, 309, kind="overflow_storm", evidence={"storm_start_scale": 65536.0}),
+    again = decide(spike(300, 309, kind="overflow_storm", storm_start_scale=65536.0),
                    RunHistory(incidents=[storm], committed_steps=CKPTS), FP16)
     assert again.loss_scale == 4096.0               # compounds
 
 
 def test_fp16_storm_with_no_scale_left_cuts_the_lr_instead():
-    storm = spike(180, 189, kind="overflow_storm", evidence={"storm_start_scale": 2.0})
+    storm = spike(180, 189, kind="overflow_storm", storm_start_scale=2.0)
     action = decide(storm, RunHistory(committed_steps=CKPTS, sample_ranges=RANGES), FP16)
     assert action.loss_scale is None and action.lr_overrides[0].factor == 0.5
 
@@ -91,8 +95,8 @@ def test_fp16_storm_with_no_scale_left_cuts_the_lr_instead():
     (True, 1, 8, None),
 ])
 def test_out_of_memory_ladder(recompute, micro, accum, expected):
-    action = decide({"kind": "oom", "first_step": 10, "last_step": 10},
-                    RunHistory(recompute=recompute, micro_batch=micro, grad_accum_steps=accum), CFG)
+    cfg = with_changes(CFG, {"train.recompute": recompute, "train.micro_batch": micro, "train.grad_accum_steps": accum})
+    action = decide(Incident(kind=Kind.OOM, first_step=10, last_step=10), RunHistory(), cfg)
     if expected is None:
         assert isinstance(action, Halt) and action.code == 3
     else:

@@ -6,12 +6,14 @@ import os
 import pytest
 
 from checkpointing import layout
-from daemon import actions, control, memcg
+from daemon import control, memcg, policy
 from daemon.health import HealthMonitor
-from daemon.policy import Rollback, RunHistory, decide
+from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
+from daemon.policy import RunHistory, merge_recovery
 from daemon.protocol import LrOverride, Recovery
-from engine.config import ConfigError, load_config
+from engine.config import ConfigError, config_from_dict, load_config, to_toml, with_changes
 from engine.drills import Drills
+from tests.unit.steps import step_event
 
 CFG = load_config(None)
 CUT = LrOverride(start_step=51, factor=0.5, hold_steps=200, ramp_steps=200)
@@ -29,30 +31,31 @@ def test_recovery_round_trips_through_json():
 
 
 def test_skip_ranges_accumulate_and_the_lr_list_is_the_policys():
-    first = actions.merge_recovery(None, _rollback())
+    first = merge_recovery(None, _rollback())
     assert first.skip_ranges == ((400, 424),) and first.lr_overrides == (CUT,) and first.loss_scale_cap is None
     deeper = LrOverride(start_step=31, factor=0.25, hold_steps=200, ramp_steps=200)
-    second = actions.merge_recovery(first, _rollback(checkpoint_step=30, skip=(300, 310), lr_overrides=(deeper,)))
+    second = merge_recovery(first, _rollback(checkpoint_step=30, skip=(300, 310), lr_overrides=(deeper,)))
     assert second.checkpoint_step == 30 and second.skip_ranges == ((400, 424), (300, 310))
     assert second.lr_overrides == (deeper,)
 
 
 def test_a_storm_keeps_the_lr_cut_in_force_and_a_later_cut_keeps_the_scale_cap():
-    first = actions.merge_recovery(None, _rollback())
-    storm = actions.merge_recovery(first, _rollback(skip=None, lr_overrides=(), loss_scale=4096.0,
+    first = merge_recovery(None, _rollback())
+    storm = merge_recovery(first, _rollback(skip=None, lr_overrides=(), loss_scale=4096.0,
                                                     loss_scale_cap_until_step=1050))
     assert storm.lr_overrides == (CUT,) and storm.loss_scale == storm.loss_scale_cap == 4096.0
-    later = actions.merge_recovery(storm, _rollback(checkpoint_step=60))
+    later = merge_recovery(storm, _rollback(checkpoint_step=60))
     assert later.loss_scale is None and later.loss_scale_cap == 4096.0 and later.loss_scale_cap_until_step == 1050
 
 
-def test_config_changes_are_validated_and_become_set_arguments():
-    cfg = actions.with_changes(CFG, {"train.micro_batch": 4, "train.grad_accum_steps": 2, "train.recompute": True})
+def test_config_changes_are_validated_and_the_resolved_file_reads_back_equal():
+    cfg = with_changes(CFG, {"train.micro_batch": 4, "train.grad_accum_steps": 2, "train.recompute": True})
     assert (cfg.train.micro_batch, cfg.train.grad_accum_steps, cfg.train.recompute) == (4, 2, True)
     with pytest.raises(ConfigError, match="global_batch"):
-        actions.with_changes(CFG, {"train.micro_batch": 4})
-    assert actions.set_args({"train.recompute": True, "run.name": "x", "train.micro_batch": 4}) == [
-        "--set", 'run.name="x"', "--set", "train.micro_batch=4", "--set", "train.recompute=true"]
+        with_changes(CFG, {"train.micro_batch": 4})
+    import tomllib
+    odd = with_changes(cfg, {"run.master_addr": 'host"\\x', "optim.weight_decay": 1e-7, "run.dir": "/tmp/ü"})
+    assert config_from_dict(tomllib.loads(to_toml(odd, ["a comment"]))) == odd
 
 
 def test_roll_back_renames_later_checkpoints_and_replaces_an_older_rolled_back_copy(tmp_path):
@@ -155,8 +158,7 @@ def test_memory_cgroup_counters_are_read_from_both_formats(tmp_path):
 
 
 def _event(step, loss, **kw):
-    return {"step": step, "loss": loss, "grad_norm": 1.0, "loss_scale": 1.0, "skipped": False,
-            "tokens_per_s": 1000.0, **kw}
+    return step_event(step=step, loss=loss, tokens_per_s=1000.0, **kw)
 
 
 def test_after_a_rollback_replayed_steps_are_judged_against_the_kept_baseline():
@@ -173,9 +175,10 @@ def test_after_a_rollback_replayed_steps_are_judged_against_the_kept_baseline():
 
 
 def test_a_recurrence_after_a_rollback_counts_even_if_it_starts_earlier():
-    earlier = [{"kind": "loss_spike", "first_step": 300, "last_step": 303}]
+    earlier = [Incident(kind=Kind.LOSS_SPIKE, first_step=300, last_step=303)]
     history = RunHistory(incidents=earlier, committed_steps=(100, 200), sample_ranges={})
-    action = decide({"kind": "loss_spike", "first_step": 290, "last_step": 292, "action_needed": True}, history, CFG)
+    action = policy.decide(Incident(kind=Kind.LOSS_SPIKE, first_step=290, last_step=292), history, CFG.health,
+                           CFG.train)
     assert action.lr_overrides[0].factor == 0.25
 
 
@@ -227,8 +230,10 @@ def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
     state = RunState(status="running", generation=2, restarts=1, daemon_pid=os.getpid(), total_steps=1000,
                      last_progress={"step": 400, "loss": 2.5, "tokens": 512, "tokens_per_s": 1024.0,
                                     "unix_s": 995.0},
-                     incidents=[{"kind": "loss_spike", "first_step": 300, "action": {
-                         "type": "rollback", "reason": "roll back to 280"}}],
+                     incidents=[IncidentRecord(
+                         incident=Incident(kind=Kind.LOSS_SPIKE, first_step=300, last_step=303), generation=1,
+                         unix_s=900.0, action=Rollback("roll back to 280", checkpoint_step=280, skip=None,
+                                                       lr_overrides=()))],
                      last_control={"name": "checkpoint", "unix_s": 990.0, "reason": "before upgrade"})
     state.save(tmp_path)
     layout.step_dir(tmp_path / "checkpoints", 380).mkdir(parents=True)
@@ -241,3 +246,19 @@ def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
     state.daemon_pid = 0
     state.save(tmp_path)
     assert status_cli.summary(tmp_path)["status"] == "running (daemon not running)"
+
+
+@pytest.mark.parametrize("current,incidents,expected", [
+    (100, [], {80, 90, 100}),            # hold 3 + margin 10: horizon 87 -> 80 settled; 90 and 100 may become it
+    (60, [], {40, 50, 60}),
+    (15, [], {10}),                      # nothing at or before the horizon (2) yet; 10 may become it
+    (100, [(76, 85)], {60, 90, 100}),    # 70 and 80 lie within a rolled-back incident's margin: not healthy
+])
+def test_the_daemon_protects_what_a_later_rollback_may_need(current, incidents, expected):
+    from daemon.run_files import protected_steps
+
+    records = [IncidentRecord(incident=Incident(kind=Kind.LOSS_SPIKE, first_step=a, last_step=b), generation=1,
+                              unix_s=0.0, action=Rollback("r", checkpoint_step=0, skip=None, lr_overrides=()))
+               for a, b in incidents]
+    committed = [s for s in (10, 20, 30, 40, 50, 60, 70, 80, 90, 100) if s <= current]
+    assert protected_steps(committed, records, CFG, current_step=current) == expected

@@ -1,0 +1,224 @@
+"""One generation's processes: the event socket, MindSpore's scheduler and this node's ranks, their
+memory cgroups, signals and teardown; and the orphans a killed daemon left.
+
+The effects half of the supervisor (daemon.watch is the judging half): the
+only module that forks or sends signals. Each process leads its own process
+group (and session), its stdout and stderr appended to its log; teardown is
+SIGTERM to every group, a grace, SIGKILL to what is left, and a reap.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator, Mapping, Sequence
+
+from daemon import cluster, device_oom, memcg
+from daemon.protocol import MAX_SOCKET_PATH_BYTES, decode_event
+from engine.config import Config
+
+STACK_DUMP_WAIT_S = 1.0     # for faulthandler in each rank to write its stacks
+
+
+def socket_path(cfg: Config, run_dir: Path, env: Mapping[str, str]) -> Path:
+    """$RUNTIME_DIRECTORY/<name>.sock under systemd, else <run.dir>/events.sock; a short temporary
+    path when those exceed the 107-byte limit of a UNIX socket address."""
+    candidates = []
+    if env.get("RUNTIME_DIRECTORY"):
+        candidates.append(Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / f"{cfg.run.name}.sock")
+    candidates.append(run_dir.resolve() / "events.sock")
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:12]
+    candidates.append(Path(tempfile.gettempdir()) / f"llm-pretrain-{digest}.sock")
+    return next(c for c in candidates if len(os.fsencode(c)) <= MAX_SOCKET_PATH_BYTES)
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (/proc/PID/stat field 22): with the pid,
+    an identity that survives pid reuse."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+@dataclasses.dataclass
+class Worker:
+    role: str                 # "scheduler" or "rank"
+    rank: int                 # -1 for the scheduler
+    popen: subprocess.Popen
+    log_path: Path
+    log_start: int = 0        # the log's size when this process started: its own output follows
+    group: memcg.MemoryCgroup | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def record(self) -> dict:
+        return {"role": self.role, "rank": self.rank, "pid": self.pid, "pgid": self.pid,
+                "start_ticks": start_ticks(self.pid)}
+
+
+def spawn(cmd: Sequence[str], *, env: Mapping[str, str], log_path: Path, role: str, rank: int,
+          before_exec: Callable[[], None] | None = None) -> Worker:
+    """Starts `cmd` as the leader of a new process group (and session), stdout and stderr to `log_path`;
+    `before_exec` runs in the child before it execs (joining a memory cgroup)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab", buffering=0) as log:
+        start = log.seek(0, os.SEEK_END)
+        popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=before_exec)
+    return Worker(role=role, rank=rank, popen=popen, log_path=log_path, log_start=start)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def stop_all(workers: Sequence[Worker], *, grace_s: float, poll_s: float = 0.05) -> None:
+    """SIGTERM to every group, up to `grace_s` to exit, then SIGKILL to what is left; reaps them all."""
+    for w in workers:
+        if w.popen.poll() is None:
+            _signal_group(w.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(w.popen.poll() is None for w in workers):
+        time.sleep(poll_s)
+    for w in workers:
+        _signal_group(w.pid, signal.SIGKILL)     # also any children left in the group
+        if w.popen.poll() is None:
+            w.popen.wait()
+
+
+def kill_orphans(records: Sequence[dict]) -> list[dict]:
+    """Kills the process groups of a previous daemon's workers that are still alive (same pid and
+    start time as recorded); returns the records it killed."""
+    killed = []
+    for rec in records:
+        ticks = start_ticks(rec["pid"])
+        if ticks is not None and ticks == rec.get("start_ticks"):
+            _signal_group(rec["pgid"], signal.SIGKILL)
+            killed.append(rec)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(start_ticks(r["pid"]) == r.get("start_ticks") for r in killed):
+        time.sleep(0.05)
+    return killed
+
+
+@dataclasses.dataclass(frozen=True)
+class RankExit:
+    rank: int
+    code: int
+    oom_kills: int = 0
+    peak_bytes: int = 0
+    device_oom_line: str | None = None
+
+
+class Generation:
+    """The processes of one generation; a context manager whose exit tears them down."""
+
+    def __init__(self, cfg: Config, *, number: int, sock_path: Path, log_dir: Path,
+                 memcg_parent: tuple[int, Path] | None, cgroup_dir: str):
+        self.cfg, self.number = cfg, number
+        self.sock_path, self.log_dir = sock_path, log_dir
+        self.memcg_parent, self.cgroup_dir = memcg_parent, cgroup_dir
+        self.workers: list[Worker] = []
+        self.final_memory: dict | None = None    # peak memory and OOM kills per rank, after teardown
+        self._reported: set[int] = set()
+        self.grace_s = cfg.run.kill_grace_s
+        sock_path.unlink(missing_ok=True)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(sock_path))
+        self.sock.setblocking(False)
+
+    @property
+    def ranks(self) -> list[Worker]:
+        return [w for w in self.workers if w.role == "rank"]
+
+    def start_scheduler(self, cmd: Sequence[str], env: Mapping[str, str]) -> None:
+        self.workers.append(spawn(cmd, env=env, role="scheduler", rank=-1, log_path=self.log_dir / "scheduler.log"))
+
+    def start_rank(self, rank: int, cmd: Sequence[str], env: Mapping[str, str]) -> None:
+        group = None
+        if self.memcg_parent is not None:
+            group = memcg.MemoryCgroup.create(self.memcg_parent, f"{self.cgroup_dir}/g{self.number}-rank-{rank}",
+                                              self.cfg.run.worker_memory_limit_bytes)
+        worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=self.log_dir / f"rank-{rank}.log",
+                       before_exec=group.join if group else None)
+        worker.group = group
+        self.workers.append(worker)
+
+    def events(self) -> Iterator:
+        """The datagrams waiting, decoded (malformed ones dropped)."""
+        while True:
+            try:
+                data = self.sock.recv(65536)
+            except BlockingIOError:
+                return
+            try:
+                yield decode_event(data)
+            except ValueError:
+                continue
+
+    def new_exits(self) -> list[RankExit]:
+        """Ranks that ended since the last call, with what their cgroup and log say about memory."""
+        out = []
+        for w in self.ranks:
+            code = w.popen.poll()
+            if code is None or w.rank in self._reported:
+                continue
+            self._reported.add(w.rank)
+            out.append(RankExit(w.rank, code, oom_kills=w.group.oom_kills() if w.group else 0,
+                                peak_bytes=(w.group.peak_bytes() or 0) if w.group else 0,
+                                device_oom_line=device_oom.oom_line(w.log_path, w.log_start) if code > 0 else None))
+        return out
+
+    def dump_stacks(self, ranks: Sequence[int]) -> None:
+        """faulthandler in each worker writes every thread's Python stack to its log on SIGUSR1."""
+        for w in self.ranks:
+            if w.rank in ranks:
+                try:
+                    os.kill(w.pid, signal.SIGUSR1)
+                except ProcessLookupError:
+                    pass
+        time.sleep(STACK_DUMP_WAIT_S)
+
+    def memory_report(self) -> dict | None:
+        groups = {w.rank: w.group for w in self.ranks if w.group is not None}
+        if not groups:
+            return None
+        return {"peak_memory_bytes": {r: g.peak_bytes() for r, g in groups.items()},
+                "oom_kills": {r: g.oom_kills() for r, g in groups.items()}}
+
+    def __enter__(self) -> "Generation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stop_all(self.workers, grace_s=self.grace_s)
+        self.sock.close()
+        self.sock_path.unlink(missing_ok=True)
+        self.final_memory = self.memory_report()
+        for w in self.ranks:
+            if w.group is not None:
+                w.group.remove()
+
+
+def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int) -> dict[str, str]:
+    """A rank's environment: `base` plus, with more than one rank, MindSpore's dynamic cluster's."""
+    from daemon.protocol import ENV_GENERATION
+
+    world = cfg.parallel.world_size
+    if world == 1:
+        return {**base, ENV_GENERATION: str(generation)}
+    return cluster.process_env(base, role=cluster.WORKER, sched_host=cfg.run.master_addr, sched_port=port,
+                               worker_num=world, local_worker_num=world // cfg.run.nodes, node_id=rank,
+                               generation=generation)

@@ -1,0 +1,154 @@
+"""What went wrong and what was decided about it: incidents, actions, and their record in state.json.
+
+Owns the types every part of the daemon passes around — the detectors and
+the watch make `Incident`s, the policy turns one into an `Action`, the
+supervisor keeps an `IncidentRecord` of both — and their one JSON form (the
+`incidents` list of state.json, the `incident` event). Adding a detector is
+adding a `Kind` here and a branch in daemon.policy.decide. Pure: no files,
+no clocks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Mapping
+
+from daemon.protocol import LrOverride
+
+
+class Kind(str, enum.Enum):
+    CRASH = "crash"                        # a rank exited non-zero or was killed
+    HANG = "hang"                          # a rank made no progress within its phase's timeout
+    OOM = "oom"                            # a rank ran out of memory (cgroup OOM kill, device allocator)
+    LOSS_SPIKE = "loss_spike"
+    GRAD_NORM_SPIKE = "grad_norm_spike"
+    NON_FINITE = "non_finite"              # fp32/bf16: a skipped (non-finite) step
+    OVERFLOW_STORM = "overflow_storm"      # fp16: skipped steps in a row, or at the scale floor
+    THROUGHPUT_REGRESSION = "throughput_regression"   # warnings only
+    LOSS_STALLED = "loss_stalled"
+
+    @property
+    def is_process_fault(self) -> bool:
+        """A fault of the processes, not of the numbers: restart from the latest checkpoint."""
+        return self in (Kind.CRASH, Kind.HANG, Kind.OOM)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Incident:
+    kind: Kind
+    first_step: int                        # the steps it spans (a process fault: the step it happened at)
+    last_step: int
+    needs_action: bool = True              # False: a warning, reported and recorded, never acted on
+    rank: int | None = None                # process faults: the rank
+    exit_code: int | None = None           # crash, oom: the rank's exit status (negative: killed by signal)
+    detail: str = ""                       # one line for people
+    storm_start_scale: float | None = None  # overflow storm: the scale the storm began at (the policy cuts it)
+    evidence: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # reported, never decided on
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kind": self.kind.value, "first_step": self.first_step, "last_step": self.last_step,
+                               "action_needed": self.needs_action, "evidence": dict(self.evidence)}
+        if self.kind.is_process_fault:
+            out.update(step=self.first_step, rank=self.rank, exit_code=self.exit_code)
+        if self.detail:
+            out["detail"] = self.detail
+        if self.storm_start_scale is not None:
+            out["evidence"]["storm_start_scale"] = self.storm_start_scale
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Incident":
+        evidence = dict(d.get("evidence") or {})
+        first = int(d.get("first_step", d.get("step", 0)) or 0)
+        return cls(kind=Kind(d["kind"]), first_step=first, last_step=int(d.get("last_step", first) or first),
+                   needs_action=bool(d.get("action_needed", True)), rank=d.get("rank"),
+                   exit_code=d.get("exit_code"), detail=d.get("detail", ""),
+                   storm_start_scale=evidence.get("storm_start_scale"), evidence=evidence)
+
+
+# Actions: what the policy decides --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Restart:
+    reason: str
+    config_changes: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # "section.key" -> value
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "restart", "reason": self.reason, "config_changes": dict(self.config_changes)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollback:
+    reason: str
+    checkpoint_step: int                      # resume from this committed step (0: from scratch)
+    skip: tuple[int, int] | None              # global sample range [a, b) never to train on again
+    lr_overrides: tuple[LrOverride, ...]      # the complete list in force after the rollback
+    loss_scale: float | None = None           # fp16: restart at this scale ...
+    loss_scale_cap_until_step: int | None = None   # ... and grow no higher until this step
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "rollback", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
+                "skip": list(self.skip) if self.skip else None,
+                "lr_overrides": [o.to_dict() for o in self.lr_overrides], "loss_scale": self.loss_scale,
+                "loss_scale_cap_until_step": self.loss_scale_cap_until_step}
+
+
+@dataclasses.dataclass(frozen=True)
+class Halt:
+    reason: str
+    code: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "halt", "reason": self.reason, "code": int(self.code)}
+
+
+Action = Restart | Rollback | Halt
+
+
+def action_from_dict(d: Mapping[str, Any] | None) -> Action | None:
+    if not d:
+        return None
+    if d["type"] == "restart":
+        return Restart(d["reason"], dict(d.get("config_changes") or {}))
+    if d["type"] == "rollback":
+        return Rollback(d["reason"], checkpoint_step=int(d["checkpoint_step"]),
+                        skip=tuple(d["skip"]) if d.get("skip") else None,
+                        lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides") or ()),
+                        loss_scale=d.get("loss_scale"), loss_scale_cap_until_step=d.get("loss_scale_cap_until_step"))
+    return Halt(d["reason"], int(d["code"]))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IncidentRecord:
+    """One entry of state.json's `incidents`: the incident, when, and what was done (None: a warning)."""
+
+    incident: Incident
+    generation: int
+    unix_s: float
+    committed_step: int | None = None         # the newest committed checkpoint when it was decided
+    action: Action | None = None
+
+    @property
+    def kind(self) -> Kind:
+        return self.incident.kind
+
+    @property
+    def is_rollback(self) -> bool:
+        return isinstance(self.action, Rollback)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = {**self.incident.to_dict(), "generation": self.generation, "unix_s": self.unix_s,
+               "action": self.action.to_dict() if self.action else None}
+        if self.committed_step is not None:
+            out["committed_step"] = self.committed_step
+        return out
+
+    def log_fields(self) -> dict[str, Any]:
+        """The fields of its `incident` / `health_warning` event (`kind` names the incident)."""
+        return {k: v for k, v in self.to_dict().items() if k != "unix_s"}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "IncidentRecord":
+        return cls(incident=Incident.from_dict(d), generation=int(d.get("generation", 0)),
+                   unix_s=float(d.get("unix_s", 0.0)), committed_step=d.get("committed_step"),
+                   action=action_from_dict(d.get("action")))

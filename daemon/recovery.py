@@ -1,0 +1,111 @@
+"""After an incident ended a generation: the policy's decision, recorded before it is carried out.
+
+Owns the order that makes a decision survive the daemon's own death: count
+the restart against progress, ask daemon.policy, put the incident with its
+action, the config changes and the recovery directive into state.json, and
+only then rename rolled-back checkpoints aside. A daemon killed anywhere in
+between finds either no decision or the whole decision on disk; a rollback
+repeated after a restart is a no-op (nothing newer than its target is left).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import tenacity
+
+from checkpointing import layout
+from daemon import policy
+from daemon.incidents import Action, Halt, Incident, IncidentRecord, Restart, Rollback
+from daemon.protocol import ExitCode
+from daemon.ledger import Ledger
+from daemon.run_files import RunFiles
+from engine.config import Config, HealthConfig, with_changes
+
+_ROLLBACK_FIELDS = ("skip", "lr_overrides", "loss_scale", "loss_scale_cap_until_step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    record: IncidentRecord
+    cfg: Config            # the config the next generation runs with
+    resume_step: int       # the checkpoint it resumes from
+
+
+def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config,
+                      base_cfg: Config) -> Decision:
+    state = ledger.state
+    committed = files.committed_step()
+    if incident.kind.is_process_fault:
+        progressed = committed > state.last_committed_step
+        state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
+    state.last_committed_step = committed
+    history = policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
+                                committed_steps=files.committed_steps(),
+                                restarts_without_progress=state.restarts_without_progress,
+                                sample_ranges=ledger.sample_ranges)
+    action = policy.decide(incident, history, cfg.health, cfg.train)
+    state.status = "gave_up" if isinstance(action, Halt) else "restarting"
+    if isinstance(action, Restart):
+        state.config_changes.update(action.config_changes)
+    elif isinstance(action, Rollback):
+        state.recovery = policy.merge_recovery(state.recovery, action)
+    record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
+                            committed_step=committed, action=action)
+    ledger.record(record, "incident", "error")              # on disk before anything is done
+    resume = committed
+    if isinstance(action, Rollback):
+        moved = layout.roll_back(files.ckpt_root, action.checkpoint_step)
+        resume = state.last_committed_step = files.committed_step()
+        ledger.emit("rollback", level="warning", cause=incident.kind.value, checkpoint_step=resume,
+                    rolled_back_steps=moved, reason=action.reason,
+                    **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
+    new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
+    return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume)
+
+
+def give_up(decision: Decision, ledger: Ledger) -> int:
+    """A Halt: the daemon ends with its code (3: crash loop, 4: numerics)."""
+    code, state = decision.action.code, ledger.state
+    ledger.emit("gave_up", level="error", code=int(code), reason=decision.action.reason,
+                restarts_without_progress=state.restarts_without_progress,
+                committed_step=decision.record.committed_step, last_incident=decision.record.log_fields())
+    return ledger.exit(code, "gave_up", "crash_loop" if code == ExitCode.GAVE_UP_CRASH_LOOP else "numerics", "error")
+
+
+def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> None:
+    """The next generation is coming after `backoff_s`: counted, saved, told."""
+    state, incident = ledger.state, decision.record.incident
+    state.restarts += 1
+    ledger.save()
+    ledger.metrics.update(restarts=state.restarts)
+    ledger.notify.status(f"restarting after {incident.kind.value} from step {decision.resume_step} "
+                         f"(restart {state.restarts})")
+    ledger.emit("restart", level="warning", cause=incident.kind.value, rank=incident.rank,
+                detail=incident.detail or decision.action.reason, resume_step=decision.resume_step,
+                backoff_s=round(backoff_s, 3), restarts=state.restarts,
+                restarts_without_progress=state.restarts_without_progress,
+                config_changes=state.config_changes or None)
+
+
+class Backoff:
+    """How long to wait before the next generation: after a rollback, the initial backoff (the fault
+    was the numbers', not the machine's); else exponential in the restarts without progress, jittered."""
+
+    def __init__(self, health: HealthConfig):
+        self.initial_s = health.restart_backoff_initial_s
+        self._wait = tenacity.wait_exponential_jitter(initial=health.restart_backoff_initial_s,
+                                                      max=health.restart_backoff_max_s, jitter=1.0)
+
+    def delay_s(self, decision: Decision, restarts_without_progress: int) -> float:
+        if isinstance(decision.action, Rollback):
+            return self.initial_s
+        return self._wait(_Attempt(restarts_without_progress + 1))
+
+
+class _Attempt:
+    """The little of tenacity's RetryCallState that its wait strategies read."""
+
+    def __init__(self, attempt_number: int):
+        self.attempt_number = attempt_number

@@ -1,0 +1,127 @@
+"""The run directory as the supervisor writes it for its ranks: paths, and the files of a generation.
+
+Owns: where things are (run dir, log dir, checkpoints, the memory cgroup
+directory), what a generation's ranks are handed — the resolved config
+(`config.resolved.toml`), the recovery directive (`recovery.json`), a fresh
+commands file, their environment — and daemon-side checkpoint retention,
+which protects the newest checkpoint a rollback may still need, judged from
+the run's real incident log. Paths, not policy; no processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from checkpointing import layout, retention
+from daemon import cluster
+from daemon.generation import worker_env
+from daemon.incidents import IncidentRecord
+from daemon.policy import newest_healthy
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_MEMORY_LIMIT, ENV_RECOVERY, Command, Recovery)
+from durable import write_atomically
+from engine.config import Config, to_toml, with_changes
+
+RESOLVED_CONFIG = "config.resolved.toml"
+_SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+class RunFiles:
+    def __init__(self, cfg: Config, env: Mapping[str, str]):
+        self.name = cfg.run.name
+        self.run_dir = cfg.run.resolved_dir(env).absolute()
+        self.log_dir = cfg.run.resolved_log_dir(env).absolute()
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.commands = self.run_dir / "commands.jsonl"
+        self.recovery = self.run_dir / "recovery.json"
+        self.resolved_config = self.run_dir / RESOLVED_CONFIG
+        local = cfg.parallel.world_size // cfg.run.nodes
+        self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
+        self._seq = 0
+
+    @property
+    def cgroup_dir(self) -> str:
+        """The run's directory under the daemon's memory cgroup: one child per rank and generation."""
+        return f"llm-pretrain-{self.name}"
+
+    def committed_steps(self) -> list[int]:
+        return layout.committed_steps(self.ckpt_root)
+
+    def committed_step(self) -> int:
+        steps = self.committed_steps()
+        return steps[-1] if steps else 0
+
+    # A generation's files ----------------------------------------------------------------------
+    def prepare_generation(self, cfg: Config, recovery: Recovery | None) -> int:
+        """The resolved config, the recovery directive and an empty commands file, ready for the ranks;
+        returns the step they resume from."""
+        resolved = with_changes(cfg, {"run.dir": str(self.run_dir), "run.log_dir": str(self.log_dir)})
+        write_atomically(self.resolved_config, to_toml(resolved, [
+            "written by the llm-pretrain daemon for each generation: the config its ranks run with",
+            "(the operator's file as the daemon read it at its start, plus the recovery policy's changes)"]))
+        if recovery is not None:
+            write_atomically(self.recovery, recovery.to_json())
+        else:
+            self.recovery.unlink(missing_ok=True)
+        self._seq = 0
+        self.commands.write_text("")               # commands are per generation
+        return self.committed_step()
+
+    def append_command(self, name: str, args: dict) -> int:
+        """One command line for the ranks, durable before they can read it; returns its seq."""
+        self._seq += 1
+        with open(self.commands, "a") as f:
+            f.write(Command(seq=self._seq, name=name, args=args).to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return self._seq
+
+    def rank_env(self, env: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int,
+                 sock: Path) -> dict[str, str]:
+        base = {k: v for k, v in env.items() if k not in _SYSTEMD_ONLY}   # the daemon speaks for them
+        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands)})
+        if self.recovery.exists():
+            base[ENV_RECOVERY] = str(self.recovery)
+        if cfg.run.worker_memory_limit_bytes:
+            base[ENV_MEMORY_LIMIT] = str(cfg.run.worker_memory_limit_bytes)
+        if cfg.run.compile_cache:
+            base.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=str(self.compile_cache_dir(cfg)))
+        return worker_env(base, cfg, rank=rank, port=port, generation=generation)
+
+    def scheduler_env(self, env: Mapping[str, str], cfg: Config, *, port: int, generation: int) -> dict[str, str]:
+        world = cfg.parallel.world_size
+        return cluster.process_env(env, role=cluster.SCHEDULER, sched_host=cfg.run.master_addr, sched_port=port,
+                                   worker_num=world, local_worker_num=world // cfg.run.nodes, generation=generation)
+
+    def compile_cache_dir(self, cfg: Config) -> Path:
+        """One cache per graph-shaping config: MindSpore reuses a cached graph of another shape (say,
+        before the policy halved the micro-batch) and then fails with "Parameter[N] has no default
+        param". Keyed by every section but the daemon's own."""
+        shaping = {k: v for k, v in cfg.to_dict().items() if k not in ("run", "health", "checkpoint")}
+        key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+        return self.run_dir / "compile_cache" / key
+
+    # Retention ---------------------------------------------------------------------------------
+    def retire_old(self, cfg: Config, incidents: Sequence[IncidentRecord], *, current_step: int) -> list[int]:
+        """After a commit: keep the newest `keep_last`, every `keep_every_steps`, and those a rollback
+        may still need (see `protected_steps`); retire the rest. Returns the steps retired."""
+        protected = protected_steps(self.committed_steps(), incidents, cfg, current_step=current_step)
+        return retention.retire_old(self.ckpt_root, keep_last=cfg.checkpoint.keep_last,
+                                    keep_every=cfg.checkpoint.keep_every_steps, protected=protected)
+
+
+def protected_steps(committed: Sequence[int], incidents: Sequence[IncidentRecord], cfg: Config, *,
+                    current_step: int) -> set[int]:
+    """The checkpoints a rollback may still need. An incident not yet detected started after
+    `current_step` - its hold (a loss spike's hold; an fp16 overflow storm's length), else it would
+    have been detected already; its rollback target is the newest healthy checkpoint more than the
+    rollback margin before its start. So: the newest healthy one (by the incident log) at or before
+    that horizon, and every one after it, since any of those may become the target as steps go on."""
+    h = cfg.health
+    hold = max(h.loss_spike_hold_steps, h.overflow_storm_steps if cfg.train.precision == "fp16" else 1)
+    horizon = current_step - hold - h.rollback_margin_steps
+    rolled = [r.incident for r in incidents if r.is_rollback]
+    settled = newest_healthy([s for s in committed if s <= horizon], rolled, h.rollback_margin_steps)
+    return {s for s in committed if s > horizon} | ({settled} if settled else set())

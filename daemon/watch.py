@@ -1,0 +1,379 @@
+"""The watch over one generation: a pure state machine from what the ranks do to how the generation ends.
+
+Owns every judgement the supervisor makes while ranks run — which events
+count, the pause states, what a control request becomes, stop and its
+timeout, an exit told as finished / crash / out of memory / final error, a
+hang by phase, a numerical incident from the health detectors — and nothing
+else. No clock (every call takes `now`), no processes, no files: the
+supervisor feeds it
+
+    on_event(ev, now)  on_exit(rank, code, now, ...)  on_control(request, now)  request_stop(reason, now)
+
+then asks `tick(now)` for an `Outcome`, and carries out the `Effect`s that
+`drain()` hands it (commands for the ranks, log events, status, stack dumps).
+Between generations, `idle_control` says what a request means with no ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import signal
+from typing import Any, Mapping, Sequence
+
+from daemon import hang
+from daemon.control import VERBS, Request
+from daemon.health import HealthMonitor
+from daemon.incidents import Incident, Kind
+from daemon.protocol import CheckpointEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
+from engine.config import Config
+
+STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
+PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often
+# Exit codes after which restarting a worker cannot help: pass them on.
+FINAL_WORKER_CODES = frozenset({ExitCode.USAGE, ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR})
+
+
+class Pause(enum.Enum):
+    RUNNING = "running"
+    PAUSING = "pausing"        # `pause` sent; waiting for every rank to hold at the agreed step
+    PAUSED = "paused"          # every rank holds
+    RELEASING = "releasing"    # paused too long: `release` sent, the ranks exit and free their devices
+
+
+_PAUSE_MOVES = {Pause.RUNNING: {Pause.PAUSING}, Pause.PAUSING: {Pause.PAUSED, Pause.RUNNING},
+                Pause.PAUSED: {Pause.RUNNING, Pause.RELEASING}, Pause.RELEASING: set()}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A pause transition the table does not allow: a bug, never user input."""
+
+
+# Effects: what the supervisor is asked to do ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Append a command for the ranks (applied by all after the same step)."""
+    name: str
+    args: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """Log one event."""
+    event: str
+    level: str = "info"
+    fields: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """The run's status changed (state.json); `text`, if any, for systemd's STATUS=."""
+    status: str
+    text: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """A step of the watched rank: metrics always; `log` a progress event, `notify` systemd's STATUS=."""
+    event: StepEvent
+    log: bool
+    notify: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Warned:
+    """A health warning to record (no action)."""
+    incident: Incident
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """A checkpoint was committed (retention, metrics) while the watched rank was at `current_step`."""
+    step: int
+    current_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DumpStacks:
+    """Ask these live ranks for their Python stacks (faulthandler on SIGUSR1)."""
+    ranks: tuple[int, ...]
+
+
+Effect = Send | Note | Status | Progress | Warned | Committed | DumpStacks
+
+
+# Outcomes: how a generation ends ------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    step: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopped:
+    step: int | None
+    forced: bool = False          # the ranks did not finish their final checkpoint in time
+
+
+@dataclasses.dataclass(frozen=True)
+class Released:
+    step: int | None              # paused too long: the ranks exited; a resume starts a new generation
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerFailed:
+    code: int                     # an exit code restarting cannot help (usage, data, config)
+    rank: int
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    incident: Incident            # crash, hang, out of memory, or a numerical incident
+
+
+Outcome = Finished | Stopped | Released | WorkerFailed | Failed
+
+
+def teardown_grace_s(outcome: Outcome, kill_grace_s: float, failed_grace_s: float = 2.0) -> float:
+    """SIGTERM → SIGKILL grace: numerical incidents throw the ranks' state away (kill at once); after
+    a crash or hang the survivors sit in a collective and never run their handler (keep it short)."""
+    if not isinstance(outcome, Failed):
+        return kill_grace_s
+    return min(kill_grace_s, failed_grace_s) if outcome.incident.kind.is_process_fault else 0.0
+
+
+# The watch ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Exit:
+    code: int
+    oom_kills: int = 0
+    peak_bytes: int = 0
+    device_oom_line: str | None = None
+
+
+class Watch:
+    def __init__(self, cfg: Config, *, generation: int, ranks: Sequence[int], monitor: HealthMonitor, now: float,
+                 log_paths: Mapping[int, str] | None = None, stop_reason: str | None = None):
+        self.cfg, self.generation, self.monitor = cfg, generation, monitor
+        self.ranks = list(ranks)
+        self.watched = self.ranks[0]          # its step events feed the detectors (the metrics are global)
+        self.log_paths = dict(log_paths or {})
+        self.progress = {r: hang.RankProgress(since_s=now) for r in self.ranks}
+        self.step_times = hang.StepTimes()
+        self.pause = Pause.RUNNING
+        self.paused_at = 0.0
+        self.last_step = 0
+        self.stop_reason: str | None = None
+        self.stop_sent_at: float | None = None
+        self.forced = False
+        self._first_step_seen: set[int] = set()
+        self._exit_reasons: dict[int, tuple[str, int]] = {}
+        self._exits: dict[int, _Exit] = {}
+        self._incident: Incident | None = None
+        self._status_at = self._logged_at = -1e18
+        self._effects: list[Effect] = []
+        if stop_reason:
+            self.request_stop(stop_reason, now)
+
+    def drain(self) -> list[Effect]:
+        out, self._effects = self._effects, []
+        return out
+
+    def _do(self, *effects: Effect) -> None:
+        self._effects.extend(effects)
+
+    def _move(self, to: Pause) -> None:
+        if to not in _PAUSE_MOVES[self.pause]:
+            raise IllegalTransitionError(f"pause state {self.pause.value} -> {to.value}")
+        self.pause = to
+
+    # Inputs ---------------------------------------------------------------------------------
+    def on_event(self, ev: StepEvent | PhaseEvent | CheckpointEvent | ExitEvent, now: float) -> None:
+        p = self.progress.get(ev.rank)
+        if p is None or ev.generation != self.generation:
+            return                                   # another generation's late datagram
+        p.since_s = now
+        if isinstance(ev, PhaseEvent):
+            p.phase, p.step = ev.phase, ev.step or p.step
+            if ev.phase == "paused":
+                self._maybe_paused(ev.step, now)
+        elif isinstance(ev, StepEvent):
+            p.phase, p.step = "train", ev.step
+            if ev.rank in self._first_step_seen:     # a generation's first step compiles: not a step time
+                self.step_times.add(ev.step_s)
+            self._first_step_seen.add(ev.rank)
+            if ev.rank == self.watched:
+                self._observe(ev, now)
+        elif isinstance(ev, CheckpointEvent):
+            self._checkpoint(ev)
+        elif isinstance(ev, ExitEvent):
+            self._exit_reasons[ev.rank] = (ev.reason, ev.step)
+
+    def _maybe_paused(self, step: int, now: float) -> None:
+        if self.pause is Pause.PAUSING and all(q.phase == "paused" for q in self.progress.values()):
+            self._move(Pause.PAUSED)
+            self.paused_at = now
+            self._do(Status("paused", f"paused at step {step}"),
+                     Note("paused", fields={"step": step, "rank_steps": {r: q.step for r, q in self.progress.items()},
+                                            "release_after_s": self.cfg.run.pause_release_after_s}))
+
+    def _observe(self, ev: StepEvent, now: float) -> None:
+        self.last_step = ev.step
+        notify = now - self._status_at >= STATUS_EVERY_S
+        log = now - self._logged_at >= PROGRESS_LOG_EVERY_S or ev.step == self.cfg.train.steps
+        self._status_at = now if notify else self._status_at
+        self._logged_at = now if log else self._logged_at
+        self._do(Progress(ev, log=log, notify=notify))
+        if self._incident is not None:
+            return
+        for incident in self.monitor.observe(ev):
+            if not incident.needs_action:
+                self._do(Warned(incident))
+                continue
+            self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": ev.step,
+                                                         "first_step": incident.first_step,
+                                                         "evidence": dict(incident.evidence)}))
+            self._incident = incident
+            return
+
+    def _checkpoint(self, ev: CheckpointEvent) -> None:
+        if ev.stage == "committed":
+            self._do(Committed(ev.step, max(self.last_step, ev.step)))
+        if ev.stage in ("committed", "failed", "quarantined"):
+            self._do(Note(f"checkpoint_{ev.stage}", "info" if ev.stage == "committed" else "error",
+                          {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
+
+    def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,
+                device_oom_line: str | None = None) -> None:
+        """Rank `rank`'s process ended with `code` (negative: killed by that signal); `oom_kills` and
+        `peak_bytes` from its memory cgroup, `device_oom_line` the allocator's error in its log."""
+        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line))
+
+    def on_control(self, request: Request, now: float) -> None:
+        """A request from the control directory while ranks run (already logged by the supervisor)."""
+        verb = VERBS[request.name]
+        if request.name == "stop":
+            reason = request.body.get("reason")
+            self.request_stop(f"control file {request.file}" + (f": {reason}" if reason else ""), now)
+            return
+        try:
+            args = verb.command_args(request.body, cfg=self.cfg)
+        except ValueError as e:
+            self._do(Note("control_rejected", "warning", {"file": request.file, "detail": str(e)}))
+            return
+        if request.name == "pause":
+            if self.pause is not Pause.RUNNING:
+                self._do(Note("control_ignored", "warning", {"name": "pause", "detail": f"already {self.pause.value}"}))
+                return
+            self._move(Pause.PAUSING)
+            self._do(Status("pausing"))
+        elif request.name == "resume":
+            if self.pause not in (Pause.PAUSING, Pause.PAUSED):
+                self._do(Note("control_ignored", "warning", {"name": "resume", "detail": "not paused"}))
+                return
+            self._move(Pause.RUNNING)
+            self._do(Status("running"))
+        self._do(Send(verb.command, args))
+
+    def request_stop(self, reason: str, now: float, *, force: bool = False) -> None:
+        """Stop at the next step with a checkpoint; `force` (a second signal) ends the generation now."""
+        self.forced = self.forced or force
+        if self.stop_sent_at is not None:
+            return
+        self.stop_reason, self.stop_sent_at = reason, now
+        self._do(Note("stopping", fields={"detail": f"{reason}: checkpoint at the next step, then exit",
+                                          "timeout_s": self.cfg.run.stop_timeout_s}),
+                 Send("stop"))
+
+    # The judgement --------------------------------------------------------------------------
+    def tick(self, now: float) -> Outcome | None:
+        if self._incident is not None:
+            return Failed(self._incident)
+        if self.stop_sent_at is not None and (self.forced or now - self.stop_sent_at > self.cfg.run.stop_timeout_s):
+            self._do(Note("stop_forced", "warning",
+                          {"detail": "second signal" if self.forced else "stop timeout passed"}))
+            return Stopped(self._final_step(), forced=True)
+        if self.pause is Pause.PAUSED and now - self.paused_at > self.cfg.run.pause_release_after_s:
+            self._move(Pause.RELEASING)
+            self._do(Send("release"))
+        for rank in self.ranks:
+            ended = self._exits.get(rank)
+            if ended is not None and ended.code != 0:
+                return self._failed_exit(rank, ended)
+        if all(self._exits.get(r) is not None for r in self.ranks):
+            reasons = {reason for reason, _ in self._exit_reasons.values()}
+            if self.stop_sent_at is not None or "stopped" in reasons:
+                return Stopped(self._final_step())
+            return Released(self._final_step()) if "released" in reasons else Finished(self._final_step())
+        return self._hang(now)
+
+    def _final_step(self) -> int | None:
+        return max((step for _, step in self._exit_reasons.values()), default=None)
+
+    def _failed_exit(self, rank: int, ended: _Exit) -> Outcome:
+        code = ended.code
+        cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        log = self.log_paths.get(rank, "")
+        if code in FINAL_WORKER_CODES:
+            return WorkerFailed(code, rank, f"rank {rank} ended with {cause}; see {log}")
+        step = self.progress[rank].step
+        oom = _oom_evidence(ended, self.cfg.run.worker_memory_limit_bytes)
+        if oom is not None:
+            self._do(Note("oom", "error", {"rank": rank, "step": step, "log": log, **oom}))
+            return Failed(Incident(kind=Kind.OOM, first_step=step, last_step=step, rank=rank, exit_code=code,
+                                   detail=f"rank {rank} ran out of memory ({cause})", evidence=oom))
+        self._do(Note("crash", "error", {"rank": rank, "exit_code": code, "cause": cause, "step": step, "log": log}))
+        return Failed(Incident(kind=Kind.CRASH, first_step=step, last_step=step, rank=rank, exit_code=code,
+                               detail=f"rank {rank}: {cause}"))
+
+    def _hang(self, now: float) -> Outcome | None:
+        live = tuple(r for r in self.ranks if r not in self._exits)
+        for rank in live:
+            p = self.progress[rank]
+            hung, limit = hang.is_hung(p, now, self.cfg.health, self.step_times)
+            if not hung:
+                continue
+            waited = round(now - p.since_s, 2)
+            # the stuck rank and those blocked in a collective waiting for it look alike from
+            # here: every live rank's stacks
+            self._do(DumpStacks(live),
+                     Note("hang", "error", {"rank": rank, "phase": p.phase, "step": p.step, "waited_s": waited,
+                                            "timeout_s": round(limit, 2), "log": self.log_paths.get(rank, "")}))
+            return Failed(Incident(kind=Kind.HANG, first_step=p.step, last_step=p.step, rank=rank,
+                                   detail=f"rank {rank} made no progress in {waited:.1f} s ({p.phase}, "
+                                          f"limit {limit:.1f} s)",
+                                   evidence={"phase": p.phase, "waited_s": waited, "timeout_s": round(limit, 2)}))
+        return None
+
+
+def _oom_evidence(ended: _Exit, limit_bytes: int) -> dict[str, Any] | None:
+    """Out of memory, not another crash: a SIGKILL its memory cgroup counted as an OOM kill, or (Ascend)
+    the device allocator's error in the rank's log."""
+    if ended.code in (-signal.SIGKILL, 128 + signal.SIGKILL) and ended.oom_kills:
+        return {"signal": "cgroup oom_kill", "limit_bytes": limit_bytes, "oom_kills": ended.oom_kills,
+                "peak_bytes": ended.peak_bytes}
+    if ended.code > 0 and ended.device_oom_line is not None:
+        return {"signal": "device out of memory in the rank's log", "line": ended.device_oom_line}
+    return None
+
+
+# Between generations ------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class IdleDecision:
+    resume: bool = False           # a paused run's ranks were released: start the next generation
+    stop_reason: str | None = None
+    note: Note | None = None
+
+
+def idle_control(request: Request, *, paused: bool) -> IdleDecision:
+    """What a control request means while no ranks run (a backoff, or released while paused)."""
+    if request.name == "stop":
+        reason = request.body.get("reason")
+        return IdleDecision(stop_reason=f"control file {request.file}" + (f": {reason}" if reason else ""))
+    if request.name == "resume" and paused:
+        return IdleDecision(resume=True)
+    return IdleDecision(note=Note("control_ignored", "warning",
+                                  {"name": request.name, "detail": "no ranks are running (between generations)"}))

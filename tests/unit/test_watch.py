@@ -1,0 +1,293 @@
+"""The watch over a generation, driven with literal times and events: no processes, no clock, no files."""
+import signal
+
+import pytest
+
+from daemon import watch
+from daemon.control import Request
+from daemon.health import HealthMonitor
+from daemon.incidents import Kind
+from daemon.protocol import CheckpointEvent, ExitEvent, PhaseEvent
+from daemon.watch import (Committed, DumpStacks, Failed, Finished, IllegalTransitionError, Note, Pause, Progress,
+                          Released, Send, Status, Stopped, Warned, Watch, WorkerFailed, idle_control)
+from engine.config import load_config
+from tests.unit.steps import step_event
+
+# start 5 s, compile 20 s, training floor 3 s (or 10 x p99), checkpoint 30 s; stop timeout 8 s; release after 60 s
+CFG = load_config(None, ["health.hang_start_timeout_s=5", "health.hang_compile_timeout_s=20",
+                         "health.hang_floor_s=3", "health.hang_step_multiplier=10",
+                         "health.hang_checkpoint_timeout_s=30", "run.stop_timeout_s=8",
+                         "run.pause_release_after_s=60", "train.steps=100", "parallel.dp=2", "train.micro_batch=4"])
+
+
+def make(cfg=CFG, ranks=(0, 1), now=0.0, **kw):
+    return Watch(cfg, generation=1, ranks=ranks, now=now, log_paths={r: f"rank-{r}.log" for r in ranks},
+                 monitor=HealthMonitor(cfg.health, precision=cfg.train.precision), **kw)
+
+
+def phase(w, rank, name, now, step=0):
+    w.on_event(PhaseEvent(rank=rank, generation=1, phase=name, step=step), now)
+
+
+def steps(w, first, last, now, dt=0.1, ranks=(0, 1), loss=2.0, **kw):
+    """Steps first..last on every rank, dt apart from `now`; returns the time after the last."""
+    for i, s in enumerate(range(first, last + 1)):
+        for r in ranks:
+            w.on_event(step_event(step=s, loss=loss, rank=r, **kw), now + i * dt)
+    return now + (last - first) * dt
+
+
+def kinds(effects, cls):
+    return [e for e in effects if isinstance(e, cls)]
+
+
+def test_a_clean_generation_finishes_when_every_rank_exits_0():
+    w = make()
+    t = steps(w, 1, 100, 1.0)
+    for r in (0, 1):
+        w.on_event(ExitEvent(rank=r, generation=1, step=100, reason="finished"), t)
+        assert w.tick(t) is None or r == 1
+        w.on_exit(r, 0, t)
+    assert w.tick(t) == Finished(100)
+
+
+def test_a_crash_is_named_with_its_rank_step_and_cause():
+    w = make()
+    t = steps(w, 1, 12, 0.5)
+    w.on_exit(1, 1, t)
+    out = w.tick(t)
+    assert isinstance(out, Failed) and out.incident.kind is Kind.CRASH
+    assert (out.incident.rank, out.incident.first_step, out.incident.exit_code) == (1, 12, 1)
+    (note,) = kinds(w.drain(), Note)
+    assert note.event == "crash" and note.fields["cause"] == "exit code 1" and note.fields["log"] == "rank-1.log"
+
+
+def test_death_by_signal_is_a_crash_and_a_final_code_is_passed_on():
+    w = make()
+    w.on_exit(0, -signal.SIGKILL, 1.0)
+    assert w.tick(1.0).incident.detail == "rank 0: killed by signal 9"
+    w = make()
+    w.on_exit(1, 78, 1.0)
+    out = w.tick(1.0)
+    assert isinstance(out, WorkerFailed) and (out.code, out.rank) == (78, 1) and "rank-1.log" in out.detail
+
+
+@pytest.mark.parametrize("oom_kills,code,line,kind", [
+    (1, -signal.SIGKILL, None, Kind.OOM),            # the cgroup counted an OOM kill
+    (1, 128 + signal.SIGKILL, None, Kind.OOM),
+    (0, -signal.SIGKILL, None, Kind.CRASH),          # a SIGKILL from someone else: a crash
+    (0, 1, "Device(id:0) memory isn't enough", Kind.OOM),    # the device allocator said so
+    (0, 1, None, Kind.CRASH),
+])
+def test_out_of_memory_is_told_from_a_sigkill(oom_kills, code, line, kind):
+    w = make()
+    steps(w, 1, 7, 0.0)
+    w.on_exit(0, code, 1.0, oom_kills=oom_kills, peak_bytes=123, device_oom_line=line)
+    out = w.tick(1.0)
+    assert out.incident.kind is kind and out.incident.first_step == 7
+    if kind is Kind.OOM:
+        note = kinds(w.drain(), Note)[0]
+        assert note.event == "oom" and note.fields["signal"].startswith("cgroup" if oom_kills else "device")
+
+
+@pytest.mark.parametrize("last_phase,silent_from,hung_at,limit", [
+    ("starting", 0.0, 5.01, 5.0),       # nothing heard since the start
+    ("restore", 1.0, 6.01, 5.0),
+    ("compile", 1.0, 21.01, 20.0),
+    ("checkpoint", 2.0, 32.01, 30.0),
+])
+def test_a_hang_in_each_phase_uses_that_phase_s_timeout(last_phase, silent_from, hung_at, limit):
+    w = make()
+    if last_phase != "starting":
+        phase(w, 1, last_phase, silent_from)
+        phase(w, 0, "train", hung_at)          # rank 0 keeps talking; rank 1 is the hung one
+    else:
+        phase(w, 0, "restore", hung_at)
+    assert w.tick(hung_at - 0.02) is None
+    out = w.tick(hung_at)
+    assert out.incident.kind is Kind.HANG and out.incident.rank == 1
+    assert out.incident.evidence["phase"] == last_phase and out.incident.evidence["timeout_s"] == limit
+    effects = w.drain()
+    assert effects[0] == DumpStacks((0, 1)) and kinds(effects, Note)[0].event == "hang"
+
+
+def test_a_hang_while_training_is_judged_by_the_step_times_seen():
+    w = make()
+    t = steps(w, 1, 50, 0.0, dt=0.5, step_s=0.5)     # p99 0.5 s x 10 = 5 s > the 3 s floor
+    assert w.tick(t + 4.9) is None
+    out = w.tick(t + 5.01)
+    assert out.incident.kind is Kind.HANG and out.incident.first_step == 50
+    assert out.incident.evidence["timeout_s"] == 5.0
+
+
+def test_paused_ranks_never_hang_and_exited_ranks_are_not_judged():
+    w = make()
+    steps(w, 1, 3, 0.0)
+    w.on_control(Request("pause", {}, "pause"), 0.5)
+    phase(w, 0, "paused", 1.0, 4)
+    phase(w, 1, "paused", 1.0, 4)
+    assert w.tick(50.0) is None
+
+
+def test_pause_then_resume_at_an_agreed_step():
+    w = make()
+    steps(w, 1, 10, 0.0)
+    w.on_control(Request("pause", {}, "pause"), 1.0)
+    assert w.pause is Pause.PAUSING and w.drain()[-2:] == [Status("pausing"), Send("pause", {})]
+    phase(w, 0, "paused", 1.5, 11)
+    assert w.pause is Pause.PAUSING                          # rank 1 still on its way
+    phase(w, 1, "paused", 1.6, 11)
+    assert w.pause is Pause.PAUSED
+    effects = w.drain()
+    assert Status("paused", "paused at step 11") in effects
+    assert kinds(effects, Note)[0].fields["rank_steps"] == {0: 11, 1: 11}
+    w.on_control(Request("pause", {}, "pause.2"), 2.0)       # already paused: ignored, said so
+    assert kinds(w.drain(), Note)[0].fields["detail"] == "already paused"
+    w.on_control(Request("resume", {}, "resume"), 3.0)
+    assert w.pause is Pause.RUNNING and w.drain() == [Status("running"), Send("resume", {})]
+    w.on_control(Request("resume", {}, "resume.2"), 3.5)
+    assert kinds(w.drain(), Note)[0].fields["detail"] == "not paused"
+
+
+def test_paused_too_long_the_ranks_are_released_and_a_resume_between_generations_restarts():
+    w = make()
+    w.on_control(Request("pause", {}, "pause"), 1.0)
+    phase(w, 0, "paused", 2.0, 5)
+    phase(w, 1, "paused", 2.0, 5)
+    w.drain()
+    assert w.tick(62.0) is None and w.pause is Pause.PAUSED
+    assert w.tick(62.01) is None and w.pause is Pause.RELEASING and w.drain() == [Send("release")]
+    for r in (0, 1):
+        w.on_event(ExitEvent(rank=r, generation=1, step=5, reason="released"), 63.0)
+        w.on_exit(r, 0, 63.0)
+    assert w.tick(63.0) == Released(5)
+    # no ranks now: a resume starts the next generation, a stop ends the daemon, the rest waits
+    assert idle_control(Request("resume", {}, "resume"), paused=True).resume
+    assert idle_control(Request("stop", {"reason": "upgrade"}, "stop"), paused=True).stop_reason == \
+        "control file stop: upgrade"
+    ignored = idle_control(Request("checkpoint", {}, "checkpoint"), paused=True)
+    assert not ignored.resume and ignored.stop_reason is None and ignored.note.event == "control_ignored"
+    assert idle_control(Request("resume", {}, "resume"), paused=False).note is not None   # during a backoff
+
+
+def test_illegal_pause_transitions_raise():
+    w = make()
+    with pytest.raises(IllegalTransitionError):
+        w._move(Pause.PAUSED)
+
+
+def test_stop_checkpoints_then_ends_and_is_forced_after_its_timeout():
+    w = make()
+    steps(w, 1, 5, 0.0)
+    w.on_control(Request("stop", {"reason": "maintenance"}, "stop"), 1.0)
+    effects = w.drain()
+    assert effects[-1] == Send("stop") and "maintenance" in kinds(effects, Note)[0].fields["detail"]
+    w.request_stop("signal SIGTERM", 1.5)                    # asked again: sent once
+    assert w.drain() == []
+    phase(w, 0, "checkpoint", 1.2, 6)                         # the final save never ends
+    phase(w, 1, "checkpoint", 1.2, 6)
+    assert w.tick(9.0) is None
+    out = w.tick(9.01)
+    assert out == Stopped(None, forced=True) and kinds(w.drain(), Note)[0].event == "stop_forced"
+
+
+def test_a_stop_that_completes_is_stopped_and_a_second_signal_forces_it():
+    w = make(stop_reason="signal SIGTERM")                   # asked for before the generation started
+    assert w.drain()[-1] == Send("stop")
+    for r in (0, 1):
+        w.on_event(ExitEvent(rank=r, generation=1, step=6, reason="stopped"), 2.0)
+        w.on_exit(r, 0, 2.0)
+    assert w.tick(2.0) == Stopped(6)
+    w = make()
+    w.request_stop("signal SIGTERM", 1.0)
+    w.request_stop("signal SIGTERM", 1.2, force=True)
+    assert w.tick(1.2) == Stopped(None, forced=True)
+
+
+def test_a_loss_spike_ends_the_generation_with_a_numerical_incident():
+    cfg = load_config(None, ["health.loss_spike_warmup_steps=10", "health.loss_spike_window_steps=10"])
+    w = make(cfg, ranks=(0,))
+    t = steps(w, 1, 29, 0.0, ranks=(0,), loss=3.0)
+    assert w.tick(t) is None
+    steps(w, 30, 32, t, ranks=(0,), loss=12.0)
+    out = w.tick(t + 1)
+    assert out.incident.kind is Kind.LOSS_SPIKE and out.incident.first_step == 30
+    assert watch.teardown_grace_s(out, 10.0) == 0.0           # its state is thrown away: kill at once
+    effects = w.drain()
+    assert kinds(effects, Note)[-1].event == "incident_detected"
+    assert [p.event.step for p in kinds(effects, Progress)] == list(range(1, 33))
+
+
+def test_only_the_first_rank_feeds_the_detectors_and_warnings_are_not_outcomes():
+    cfg = load_config(None, ["health.loss_spike_warmup_steps=10", "health.loss_spike_window_steps=10",
+                             "health.throughput_window_steps=5", "parallel.dp=2", "train.micro_batch=4"])
+    w = make(cfg)
+    steps(w, 1, 20, 0.0, ranks=(1,), loss=50.0)               # rank 1's view is never judged
+    steps(w, 1, 20, 0.0, ranks=(0,), tokens_per_s=10000.0)
+    steps(w, 21, 30, 2.0, ranks=(0,), tokens_per_s=1000.0)    # a throughput drop: a warning only
+    assert w.tick(3.0) is None
+    warned = kinds(w.drain(), Warned)
+    assert [x.incident.kind for x in warned] == [Kind.THROUGHPUT_REGRESSION]
+
+
+def test_progress_is_logged_every_10_s_and_told_to_systemd_every_2_s():
+    w = make(ranks=(0,))
+    steps(w, 1, 100, 0.0, dt=0.5, ranks=(0,))                # 49.5 s of steps
+    progress = kinds(w.drain(), Progress)
+    assert [p.event.step for p in progress if p.log] == [1, 21, 41, 61, 81, 100]   # and the last step
+    assert [p.event.step for p in progress if p.notify][:3] == [1, 5, 9]
+
+
+def test_checkpoint_events_are_reported_and_a_commit_asks_for_retention():
+    w = make()
+    steps(w, 1, 12, 0.0)
+    w.on_event(CheckpointEvent(rank=0, generation=1, step=10, stage="committed"), 2.0)
+    w.on_event(CheckpointEvent(rank=1, generation=1, step=10, stage="written"), 2.0)
+    w.on_event(CheckpointEvent(rank=0, generation=1, step=20, stage="failed", detail="ENOSPC"), 3.0)
+    effects = [e for e in w.drain() if not isinstance(e, Progress)]
+    assert effects[0] == Committed(10, current_step=12)
+    assert [(n.event, n.level) for n in kinds(effects, Note)] == [("checkpoint_committed", "info"),
+                                                                   ("checkpoint_failed", "error")]
+
+
+def test_events_of_another_generation_or_an_unknown_rank_are_ignored():
+    w = make()
+    w.on_event(step_event(step=5, loss=2.0, generation=2), 4.9)     # a late datagram of another generation
+    w.on_event(step_event(step=5, loss=2.0, rank=7), 4.9)
+    assert w.drain() == []
+    assert w.tick(5.01).incident.kind is Kind.HANG                   # so nothing was heard from rank 0
+
+
+@pytest.mark.parametrize("body,allowed,problem", [
+    ({"fault": "nan", "rank": 1, "at_step": 40}, True, None),
+    ({"fault": "nan"}, False, "allow_fault_injection"),
+    ({"fault": "melt"}, True, "unknown fault 'melt'"),
+    ({"fault": "hang", "rank": 2}, True, "rank 2 is not in [0, 2)"),
+    ({"fault": "slow", "seconds": "soon"}, True, "seconds = 'soon'"),
+    ({"fault": "spike", "steps": 0}, True, "steps = 0 must be an integer >= 1"),
+])
+def test_an_inject_request_is_validated_once_and_forwarded(body, allowed, problem):
+    cfg = load_config(None, [f"health.allow_fault_injection={str(allowed).lower()}", "parallel.dp=2",
+                             "train.micro_batch=4"])
+    w = make(cfg)
+    w.on_control(Request("inject", body, "inject"), 1.0)
+    (effect,) = w.drain()
+    if problem is None:
+        assert effect == Send("inject", {"fault": "nan", "rank": 1, "at_step": 40})
+    else:
+        assert effect.event == "control_rejected" and problem in effect.fields["detail"]
+
+
+def test_a_checkpoint_request_becomes_a_command():
+    w = make()
+    w.on_control(Request("checkpoint", {"reason": "before upgrade"}, "checkpoint"), 1.0)
+    assert w.drain() == [Send("checkpoint", {})]
+
+
+@pytest.mark.parametrize("kind,grace", [(Kind.CRASH, 2.0), (Kind.HANG, 2.0), (Kind.OOM, 2.0),
+                                        (Kind.NON_FINITE, 0.0)])
+def test_teardown_grace_depends_on_how_the_generation_ended(kind, grace):
+    from daemon.incidents import Incident
+
+    assert watch.teardown_grace_s(Failed(Incident(kind=kind, first_step=1, last_step=1)), 10.0) == grace
+    assert watch.teardown_grace_s(Finished(5), 10.0) == 10.0
