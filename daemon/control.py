@@ -5,9 +5,12 @@ Owns: the file grammar and consuming requests. A request is a file named
 name is one of CONTROL_NAMES; its body is empty (`touch`) or a JSON object
 (a reason; `inject` needs one). Names starting with '.' are ignored (writers
 create a hidden file and rename it, so a request is never read half-written).
-A request read is deleted; a malformed one is renamed `.<file>.rejected` and
-reported; an unknown name is reported once and left alone. Pure file work: the
-supervisor decides what a request does.
+A request read is deleted; a malformed one — or anything that is not a regular
+file: a symbolic link (never followed, whatever it points to), a directory, a
+FIFO — is renamed `.<file>.rejected` and reported; an unknown name is reported
+once and left alone. Bodies are read up to the cap, never whole; an entry that
+vanishes midway is simply gone: nothing here may crash or block the daemon.
+Pure file work: the supervisor decides what a request does.
 """
 from __future__ import annotations
 
@@ -143,31 +146,77 @@ class ControlDir:
         return self.take()
 
     def take(self) -> list[Request | Rejected]:
-        """Consumes the requests present, oldest first; returns them and the rejections."""
+        """Consumes the requests present, oldest first; returns them and the rejections. Never follows
+        a symlink, never opens anything but a regular file, never blocks, and an entry that vanishes
+        at any moment (another process's churn) is simply gone."""
         try:
-            entries = [e for e in os.scandir(self.path) if not e.name.startswith(".") and e.is_file()]
-        except FileNotFoundError:
+            names = [e.name for e in os.scandir(self.path) if not e.name.startswith(".")]
+        except OSError:
             return []
-        out: list[Request | Rejected] = []
-        for entry in sorted(entries, key=lambda e: (e.stat().st_mtime_ns, e.name)):
-            name = entry.name.split(".", 1)[0]
-            if name not in CONTROL_NAMES:
-                if entry.name not in self._reported:
-                    self._reported.add(entry.name)
-                    out.append(Rejected(entry.name, f"unknown control file {entry.name!r}; known: "
-                                                    f"{', '.join(CONTROL_NAMES)} (left alone)"))
-                continue
-            path = Path(entry.path)
+        self._reported &= set(names)          # forget names gone (a churn of new names must not grow it)
+        found = []
+        for name in names:
             try:
-                raw = path.read_bytes()[:MAX_BODY_BYTES + 1]
-                body = parse_body(raw)
-            except (OSError, ValueError) as e:
-                path.rename(self.path / f".{entry.name}.rejected")
-                out.append(Rejected(entry.name, f"{e}; renamed .{entry.name}.rejected"))
+                found.append((os.lstat(self.path / name), name))
+            except OSError:
+                continue                                   # vanished since the scan
+        out: list[Request | Rejected] = []
+        for st, file in sorted(found, key=lambda f: (f[0].st_mtime_ns, f[1])):
+            name = file.split(".", 1)[0]
+            if name not in CONTROL_NAMES:
+                if file not in self._reported:
+                    self._reported.add(file)
+                    out.append(Rejected(file, f"unknown control file {file!r}; known: "
+                                              f"{', '.join(CONTROL_NAMES)} (left alone)"))
                 continue
-            path.unlink(missing_ok=True)
-            out.append(Request(name, body, entry.name))
+            try:
+                body = parse_body(_read_regular(self.path / file, st))
+            except FileNotFoundError:
+                continue
+            except (OSError, ValueError) as e:
+                out.append(Rejected(file, f"{e}; {self._set_aside(file)}"))
+                continue
+            try:
+                os.unlink(self.path / file)
+            except FileNotFoundError:
+                continue                                   # someone else took it: not ours to act on
+            out.append(Request(name, body, file))
         return out
+
+    def _set_aside(self, file: str) -> str:
+        try:
+            os.rename(self.path / file, self.path / f".{file}.rejected")
+            return f"renamed .{file}.rejected"
+        except OSError as e:
+            return f"could not rename it ({e.strerror or e})"
+
+
+def _kind(mode: int) -> str:
+    for test, what in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _read_regular(path: Path, st: os.stat_result) -> bytes:
+    """At most MAX_BODY_BYTES + 1 bytes of a regular file, opened without following a symlink and
+    without blocking (a FIFO put there after the lstat opens at once and is refused by its fstat)."""
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{_kind(st.st_mode)}, not a regular file (symbolic links are never followed)")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"{_kind(mode)}, not a regular file")
+        chunks, size = [], 0
+        while size <= MAX_BODY_BYTES and (chunk := os.read(fd, MAX_BODY_BYTES + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:

@@ -58,3 +58,47 @@ def test_an_inject_request_becomes_a_command(tmp_path, cli, quiet_env):
     sent = _named(events, "command_sent")[0]
     assert sent["name"] == "inject" and sent["args"] == {"fault": "hang", "rank": 0, "at_step": 5, "seconds": 1.0}
     assert not list((run / "control").iterdir())
+
+
+def test_churn_links_directories_fifos_and_huge_bodies_never_crash_or_block_the_daemon(tmp_path):
+    """Another process creates and deletes files as fast as it can while the daemon scans; a symlink
+    named like a request is never followed (even to an empty file), a directory and a FIFO are
+    reported, a 64 GiB sparse body is refused without being read."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    proc = _start(run, fake=["--steps", "100000", "--interval", "100000"])
+    _wait_for(run / "logs" / "rank-0.log")
+    control = run / "control"
+    churn = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys, time\n"
+        "d, end = sys.argv[1], time.monotonic() + 6\n"
+        "i = 0\n"
+        "while time.monotonic() < end:\n"
+        "    for name in (f'zz{i}', f'checkpoint.{i}'):\n"
+        "        p = os.path.join(d, name)\n"
+        "        try:\n"
+        "            with open(p, 'w') as f: f.write('{}')\n"
+        "            os.unlink(p)\n"
+        "        except OSError: pass\n"
+        "    i += 1\n"), str(control)])
+    (tmp_path / "empty").write_text("")
+    os.symlink(tmp_path / "empty", control / "pause.empty")
+    (control / "resume").mkdir()
+    os.mkfifo(control / "stop.fifo")
+    with open(control / "checkpoint.huge", "wb") as f:
+        f.truncate(64 << 30)
+    churn.wait(timeout=30)
+    time.sleep(2.5)
+    assert proc.poll() is None, "the control directory ended the daemon"
+    (control / "stop").write_text("")
+    code, events, err = _finish(proc)
+    assert code == 0, err
+    assert "Traceback" not in err
+    rejected = {e["file"]: e["detail"] for e in _named(events, "control_rejected")}
+    assert "symbolic link" in rejected["pause.empty"] and "directory" in rejected["resume"]
+    assert "FIFO" in rejected["stop.fifo"] and "longer than 65536 bytes" in rejected["checkpoint.huge"]
+    assert not [e for e in _named(events, "command_sent") if e["name"] == "pause"], "a symlink was acted on"
+    assert (control / ".pause.empty.rejected").is_symlink() and (control / ".stop.fifo.rejected").exists()
