@@ -61,6 +61,14 @@ class RotatingTee:
 
     debug = info = warning = error = critical = msg
 
+    def reopen(self) -> None:
+        """Closes and opens the file again by name: after logrotate moved it, writing goes on in a
+        new file (the SIGHUP convention)."""
+        if self._file is not None:
+            self._file.close()
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1)
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -93,6 +101,9 @@ class EventLog:
 
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         getattr(self._log, level)(event, **{"run": self.run, "generation": self.generation, **fields})
+
+    def reopen(self) -> None:
+        self._sink.reopen()
 
     def close(self) -> None:
         self._sink.close()

@@ -8,6 +8,7 @@ SIGTERM to every group, a grace, SIGKILL to what is left, and a reap.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import os
@@ -66,15 +67,37 @@ class Worker:
                 "start_ticks": start_ticks(self.pid)}
 
 
+_PR_SET_PDEATHSIG = 1         # prctl(2)
+
+
+def _with_parent_death_signal(sig: int | None, before_exec: Callable[[], None] | None) -> Callable[[], None] | None:
+    """In the child, before exec: `before_exec`, then have the kernel send `sig` to the child when
+    the daemon dies — however it dies, SIGKILL included — so no rank trains on unsupervised."""
+    if sig is None:
+        return before_exec
+    prctl = ctypes.CDLL(None, use_errno=True).prctl       # looked up before the fork
+    daemon_pid = os.getpid()
+
+    def run() -> None:
+        if before_exec is not None:
+            before_exec()
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+        if os.getppid() != daemon_pid:                    # the daemon died while this one forked
+            os._exit(1)
+    return run
+
+
 def spawn(cmd: Sequence[str], *, env: Mapping[str, str], log_path: Path, role: str, rank: int,
-          before_exec: Callable[[], None] | None = None) -> Worker:
+          before_exec: Callable[[], None] | None = None, parent_death_signal: int | None = None) -> Worker:
     """Starts `cmd` as the leader of a new process group (and session), stdout and stderr to `log_path`;
-    `before_exec` runs in the child before it execs (joining a memory cgroup)."""
+    `before_exec` runs in the child before it execs (joining a memory cgroup); `parent_death_signal`
+    is sent to it by the kernel if the daemon dies."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log:
         start = log.seek(0, os.SEEK_END)
         popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=before_exec)
+                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=_with_parent_death_signal(parent_death_signal, before_exec))
     return Worker(role=role, rank=rank, popen=popen, log_path=log_path, log_start=start)
 
 
@@ -152,8 +175,10 @@ class Generation:
         if self.memcg_parent is not None:
             group = memcg.MemoryCgroup.create(self.memcg_parent, f"{self.cgroup_dir}/g{self.number}-rank-{rank}",
                                               self.cfg.run.worker_memory_limit_bytes)
+        # if the daemon dies, a rank checkpoints at the next step and exits (its SIGTERM handler);
+        # the scheduler needs none: it ends when the ranks have
         worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=self.log_dir / f"rank-{rank}.log",
-                       before_exec=group.join if group else None)
+                       before_exec=group.join if group else None, parent_death_signal=signal.SIGTERM)
         worker.group = group
         self.workers.append(worker)
 

@@ -30,6 +30,15 @@ class Ledger:
         self.total_steps = total_steps
         self.state = RunState.load(run_dir)
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range [a, b)
+        self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
+
+    def tick(self, now: float | None = None) -> None:
+        """From the loop, every tick: systemd's watchdog; the log files reopened after a SIGHUP."""
+        self.notify.tick(now)
+        if self.reopen_requested:
+            self.reopen_requested = False
+            self.log.reopen()
+            self.emit("log_reopened", detail="SIGHUP: the log file was reopened (logrotate); the run goes on")
 
     def begin(self, *, total_steps: int, log_dir: Path) -> None:
         """This daemon now runs the run: its pid, the run's length and where its logs are, saved."""

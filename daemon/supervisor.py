@@ -69,6 +69,7 @@ class Supervisor:
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
+            signal.signal(signal.SIGHUP, lambda *_: setattr(self.ledger, "reopen_requested", True))
             code = self._start()
             if code is None:
                 code = self._loop()
@@ -163,7 +164,7 @@ class Supervisor:
             for event in gen.events():
                 w.on_event(event, now)
             self._apply(w.drain(), gen)
-            self.ledger.notify.tick(now)
+            self.ledger.tick(now)
             for request in self.ledger.take_control(self.control):
                 w.on_control(request, now)
             if self.stop_reason:
@@ -231,7 +232,7 @@ class Supervisor:
         "resume" if one comes while `paused`, None when the time is up."""
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            self.ledger.notify.tick()
+            self.ledger.tick()
             for request in self.ledger.take_control(self.control):
                 decision = watch.idle_control(request, paused=paused)
                 self.stop_reason = self.stop_reason or decision.stop_reason

@@ -9,6 +9,7 @@ which it resumes. Faults on cue, in chosen generations:
     --hang-at STEP       stop stepping after STEP   --die-at-start     exit 1 before any event
     --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP
     --hog-at STEP        allocate memory until killed after STEP (an out-of-memory drill)
+    --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
     --rank-faults R      only rank R misbehaves (default: all)
     --fault-generations G[,G...]   only in these generations (default: all)
 
@@ -47,6 +48,7 @@ def main() -> int:
     ap.add_argument("--spike-steps", type=int, default=6)
     ap.add_argument("--hog-at", type=int)
     ap.add_argument("--config")
+    ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
     a = ap.parse_args()
@@ -57,7 +59,7 @@ def main() -> int:
     faulty = (not gens or generation in gens) and (a.rank_faults is None or a.rank_faults == rank)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     stop = {"requested": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(requested=True))
+    signal.signal(signal.SIGTERM, signal.SIG_IGN if a.ignore_term else lambda *_: stop.update(requested=True))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.setblocking(False)
     path = os.environ.get(ENV_EVENT_SOCKET, "")

@@ -158,9 +158,54 @@ def test_editing_the_operators_config_mid_run_changes_nothing_until_the_daemon_r
     assert "lr = 0.002\n" in (run / "config.resolved.toml").read_text()
 
 
-def test_killed_daemon_orphans_are_cleaned_up_and_the_run_continues(tmp_path):
+def test_ranks_of_a_killed_daemon_checkpoint_and_stop_within_seconds(tmp_path):
+    """The kernel's parent-death signal: SIGKILL the daemon, and its ranks save at the next step and exit."""
     run = tmp_path / "run"
-    first = _start(run, fake=["--steps", "100000", "--interval", "10"])
+    first = _start(run, fake=["--steps", "100000", "--interval", "100000"], ranks=2)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (run / "logs" / "rank-1.log").exists():
+        time.sleep(0.05)
+    time.sleep(1.0)
+    ranks = RunState.load(run).processes
+    assert len(ranks) == 2
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(Path(f"/proc/{r['pid']}").exists() for r in ranks):
+        time.sleep(0.05)
+    alive = [r["pid"] for r in ranks if Path(f"/proc/{r['pid']}").exists() and
+             "fake_worker" in Path(f"/proc/{r['pid']}/cmdline").read_text()]
+    assert not alive, f"ranks {alive} trained on unsupervised"
+    for r in (0, 1):
+        ends = [json.loads(l) for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
+                if l.startswith("{") and '"kind": "exit"' in l]
+        assert ends and ends[-1]["reason"] == "stopped"
+    assert list((run / "checkpoints").glob("step-*")), "no final checkpoint"
+
+
+def test_sighup_reopens_the_log_and_the_run_goes_on(tmp_path):
+    run = tmp_path / "run"
+    proc = _start(run, fake=["--steps", "100000", "--interval", "100000"])
+    log = run / "logs" / "events.jsonl"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (run / "logs" / "rank-0.log").exists():
+        time.sleep(0.05)
+    log.rename(log.with_name("events.jsonl.rotated"))          # what logrotate does, then SIGHUP
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(1.0)
+    assert proc.poll() is None, "SIGHUP ended the daemon"
+    proc.send_signal(signal.SIGTERM)
+    code, events, err = _finish(proc)
+    assert code == 0, err
+    assert _named(events, "log_reopened") and _named(events, "daemon_exit")[0]["reason"] == "stopped"
+    reopened = [json.loads(l)["event"] for l in log.read_text().splitlines()]
+    assert reopened[0] == "log_reopened" and "daemon_exit" in reopened
+
+
+def test_killed_daemon_orphans_are_cleaned_up_and_the_run_continues(tmp_path):
+    # ranks that ignore SIGTERM (stuck where no handler runs) outlive the parent-death signal
+    run = tmp_path / "run"
+    first = _start(run, fake=["--steps", "100000", "--interval", "10", "--ignore-term"])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not any((run / "checkpoints").glob("step-*")) \
             if (run / "checkpoints").exists() else time.monotonic() < deadline:
