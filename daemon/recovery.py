@@ -51,18 +51,29 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
         state.config_changes.update(action.config_changes)
     elif isinstance(action, Rollback):
         state.recovery = policy.merge_recovery(state.recovery, action)
+        state.pending_rollback = action.checkpoint_step
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
     ledger.record(record, "incident", "error")              # on disk before anything is done
     resume = committed
     if isinstance(action, Rollback):
-        moved = layout.roll_back(files.ckpt_root, action.checkpoint_step)
-        resume = state.last_committed_step = files.committed_step()
-        ledger.emit("rollback", level="warning", cause=incident.kind.value, checkpoint_step=resume,
-                    rolled_back_steps=moved, reason=action.reason,
-                    **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
+        resume = finish_rollback(ledger, files, cause=incident.kind.value, reason=action.reason,
+                                 **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
     return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume)
+
+
+def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
+    """Carries out the recorded rollback (`state.pending_rollback`): every committed checkpoint after
+    its target renamed aside, then the record that it is done. Idempotent: a daemon killed midway
+    runs it again at its start (`fields` then only say so). Returns the step the run resumes from."""
+    state = ledger.state
+    moved = layout.roll_back(files.ckpt_root, state.pending_rollback)
+    resume = state.last_committed_step = files.committed_step()
+    ledger.emit("rollback", level="warning", checkpoint_step=resume, rolled_back_steps=moved, **fields)
+    state.pending_rollback = None
+    ledger.save()
+    return resume
 
 
 def give_up(decision: Decision, ledger: Ledger) -> int:

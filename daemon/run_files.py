@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from checkpointing import layout, retention
+from checkpointing import layout, reader, retention
 from daemon import cluster
 from daemon.generation import worker_env
 from daemon.incidents import IncidentRecord
@@ -47,7 +47,10 @@ class RunFiles:
         return f"llm-pretrain-{self.name}"
 
     def committed_steps(self) -> list[int]:
-        return layout.committed_steps(self.ckpt_root)
+        """Committed checkpoints that look complete (manifest, shard sizes): what the ranks will find,
+        short of a checksum only they compute; one that does not is theirs to quarantine."""
+        return [s for s in layout.committed_steps(self.ckpt_root)
+                if not reader.looks_complete(layout.step_dir(self.ckpt_root, s))]
 
     def committed_step(self) -> int:
         steps = self.committed_steps()

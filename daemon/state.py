@@ -28,6 +28,7 @@ class RunState:
     incidents: list[IncidentRecord] = dataclasses.field(default_factory=list)   # with the action taken
     recovery: Recovery | None = None     # the policy's directive in force
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
+    pending_rollback: int | None = None  # a rollback target decided and recorded, its renames not yet done
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
     last_control: dict[str, Any] = dataclasses.field(default_factory=dict)   # the last request taken: name, file, unix_s
     log_dir: str = ""                    # where events.jsonl and the rank logs are

@@ -99,6 +99,8 @@ class Supervisor:
             ledger.emit("orphans_killed", level="warning", pids=[r["pid"] for r in killed],
                         detail="workers of a previous daemon were still running")
         ledger.begin(total_steps=self.cfg.train.steps, log_dir=self.files.log_dir.resolve())
+        if self.state.pending_rollback is not None:        # decided and recorded by a daemon that died
+            recovery.finish_rollback(ledger, self.files, detail="finishing the rollback a killed daemon had recorded")
         committed = self.files.committed_step()
         ledger.emit("daemon_start", pid=os.getpid(), run_dir=str(self.files.run_dir), control_watcher=watcher,
                     last_committed_step=committed, metrics=metrics_url)

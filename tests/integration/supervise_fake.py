@@ -1,14 +1,52 @@
 """Runs the real Supervisor with the fake worker in place of `llm-pretrain train`.
 
     python -m tests.integration.supervise_fake [--config FILE] --set k=v ... -- FAKE_WORKER_ARGS...
+
+With FAKE_DAEMON_DIE_AT=<point> in its environment the daemon SIGKILLs itself at that point of
+its recovery from the first incident (a real kill -9 at a chosen moment):
+    recorded       the decision is in state.json, nothing carried out
+    mid_rollback   one later checkpoint renamed aside, the others not yet
+    rolled_back    the renames done, the restart not yet counted
+    backoff        waiting before the next generation
 """
+import os
+import signal
 import sys
 
 from daemon.supervisor import Supervisor
 from engine.config import load_config
 
 
+def _die(*_, **__):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _arm(point: str) -> None:
+    from checkpointing import layout
+    from daemon import recovery
+    from daemon.ledger import Ledger
+    from daemon.supervisor import Supervisor
+
+    if point == "recorded":
+        record = Ledger.record
+        Ledger.record = lambda self, rec, event, level: (record(self, rec, event, level),
+                                                         event == "incident" and _die())
+    elif point == "mid_rollback":
+        def roll_back_one(root, target):
+            later = [s for s in layout.committed_steps(root) if s > target]
+            if later:
+                os.rename(layout.step_dir(root, later[0]), root / f"{layout.step_name(later[0])}.rolledback")
+            _die()
+        layout.roll_back = roll_back_one
+    elif point == "rolled_back":
+        recovery.count_restart = _die
+    elif point == "backoff":
+        Supervisor._sleep = _die
+
+
 def main() -> int:
+    if os.environ.get("FAKE_DAEMON_DIE_AT"):
+        _arm(os.environ["FAKE_DAEMON_DIE_AT"])
     argv = sys.argv[1:]
     split = argv.index("--") if "--" in argv else len(argv)
     overrides = [argv[i + 1] for i in range(0, split, 2) if argv[i] == "--set"]

@@ -126,3 +126,26 @@ def test_a_sigkill_under_a_memory_limit_is_still_a_crash(tmp_path):
     assert not _named(events, "oom") and _named(events, "crash")[0]["cause"] == "killed by signal 9"
     assert _named(events, "incident")[0]["action"] == {"type": "restart", "config_changes": {},
                                                        "reason": "crash: restart from the latest committed checkpoint"}
+
+
+@pytest.mark.parametrize("point", ["recorded", "mid_rollback", "rolled_back", "backoff"])
+def test_a_rollback_interrupted_by_kill_9_anywhere_is_completed_once_by_the_next_daemon(tmp_path, point):
+    run = tmp_path / "run"
+    fake = ["--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"]
+    code, events, _ = _finish(_start(run, overrides=QUICK_HEALTH, fake=fake,
+                                     env=dict(os.environ, FAKE_DAEMON_DIE_AT=point)))
+    assert code == -9                                               # it died where it was told to
+    decided = RunState.load(run)
+    assert isinstance(decided.incidents[-1].action, Rollback) and decided.incidents[-1].action.checkpoint_step == 25
+    finished_before = bool(_named(events, "rollback"))
+    code, events, err = _finish(_start(run, overrides=QUICK_HEALTH, fake=fake))
+    assert code == 0, err
+    assert len(_named(events, "rollback")) == (0 if finished_before else 1)
+    assert _named(events, "generation_start")[0]["resume_step"] == 25     # never from a condemned checkpoint
+    assert (run / "checkpoints" / "step-00000030.rolledback").is_dir()
+    state = RunState.load(run)
+    assert state.pending_rollback is None and len([r for r in state.incidents if r.action]) == 1
+    gen2 = [e for e in _steps(run / "logs" / "rank-0.log") if e["generation"] == 2]
+    skip = state.recovery.skip_ranges[0]
+    assert gen2[0]["step"] == 26 and gen2[-1]["step"] == 60 and all(e["lr_multiplier"] == 0.5 for e in gen2)
+    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2)

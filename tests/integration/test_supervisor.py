@@ -234,3 +234,16 @@ def test_a_worker_config_error_is_passed_on_not_retried(tmp_path):
         "scheduler_cmd=None).run())")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert code.returncode == 78, code.stderr
     assert '"worker_error"' in code.stdout
+
+
+def test_the_resume_step_reported_is_one_the_ranks_can_load(tmp_path):
+    """A committed directory whose manifest is gone is not named as the resume point (the ranks would
+    quarantine it and load the one before)."""
+    run = tmp_path / "run"
+    code, _, err = _finish(_start(run, fake=["--steps", "20", "--interval", "5"]))
+    assert code == 0, err
+    (run / "checkpoints" / "step-00000020" / "manifest.json").unlink()
+    code, events, err = _finish(_start(run, fake=["--steps", "25", "--interval", "5"]))
+    assert code == 0, err
+    assert _named(events, "daemon_start")[0]["last_committed_step"] == 15
+    assert _named(events, "generation_start")[0]["resume_step"] == 15
