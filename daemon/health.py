@@ -5,6 +5,9 @@ or processes; the caller feeds step events in order.
   `min_rel` above that median, for `hold` consecutive steps, after `warmup` steps. The baseline
   is frozen when a run of high steps begins, so a spike cannot raise its own baseline; a single
   bursty batch never makes an incident; a slow drift moves the median with it.
+- loss collapse: the spike mirrored — the loss below median − k·MAD and at least
+  `loss_collapse_min_rel` below the median, held and warmed up alike (a data shard of zeros
+  makes the loss fall to nothing: as wrong as a spike, and as silent).
 - grad-norm spike: the same statistic on the gradient norm; a warning unless configured to act.
 - non-finite: in fp32/bf16 any skipped step; in fp16 an overflow storm — `overflow_storm_steps`
   skipped steps in a row, or a skipped step with the loss scale at its floor.
@@ -24,13 +27,15 @@ MAD_TO_SIGMA = 1.4826   # MAD × this estimates σ for normal noise
 
 
 class SpikeDetector:
-    """median + k·MAD over a trailing window, held for `hold` consecutive steps."""
+    """median + k·MAD over a trailing window, held for `hold` consecutive steps; with `falling`, the
+    mirror image: median − k·MAD, and `min_rel` below the median (a collapse)."""
 
-    def __init__(self, *, window: int, k: float, min_rel: float, hold: int, warmup: int):
+    def __init__(self, *, window: int, k: float, min_rel: float, hold: int, warmup: int, falling: bool = False):
         self.window, self.k, self.min_rel, self.hold, self.warmup = window, k, min_rel, hold, warmup
+        self.falling = falling
         # more than a window is kept, so that after a rollback a full window before it remains
         self.history: deque[tuple[int, float]] = deque(maxlen=4 * window)
-        self.run: list[tuple[int, float]] = []          # the current streak of high steps
+        self.run: list[tuple[int, float]] = []          # the current streak of out-of-band steps
         self.baseline: tuple[float, float] | None = None  # (median, sigma) frozen for the streak
 
     def _stats(self) -> tuple[float, float]:
@@ -46,8 +51,11 @@ class SpikeDetector:
         ready = step > self.warmup and len(self.history) >= self.window
         if ready:
             median, sigma = self.baseline or self._stats()
-            threshold = max(median + self.k * sigma, median * (1 + self.min_rel))
-            if value > threshold:
+            if self.falling:
+                threshold = min(median - self.k * sigma, median * (1 - self.min_rel))
+            else:
+                threshold = max(median + self.k * sigma, median * (1 + self.min_rel))
+            if (value < threshold) if self.falling else (value > threshold):
                 if not self.run:
                     self.baseline = (median, sigma)
                 self.run.append((step, value))
@@ -57,7 +65,7 @@ class SpikeDetector:
                             "steps": [s for s, _ in self.run], "values": [v for _, v in self.run],
                             "recent": [v for _, v in list(self.history)[-10:]]}
                 return None
-            # a normal step ends the streak; the streak's values never enter the baseline
+            # a step within the band ends the streak; the streak's values never enter the baseline
             self.run, self.baseline = [], None
         self.history.append((step, value))
         return None
@@ -79,6 +87,9 @@ class HealthMonitor:
         self.loss = SpikeDetector(window=cfg.loss_spike_window_steps, k=cfg.loss_spike_mad_k,
                                   min_rel=cfg.loss_spike_min_rel, hold=cfg.loss_spike_hold_steps,
                                   warmup=cfg.loss_spike_warmup_steps)
+        self.collapse = SpikeDetector(window=cfg.loss_spike_window_steps, k=cfg.loss_spike_mad_k,
+                                      min_rel=cfg.loss_collapse_min_rel, hold=cfg.loss_spike_hold_steps,
+                                      warmup=cfg.loss_spike_warmup_steps, falling=True)
         self.grad = SpikeDetector(window=cfg.loss_spike_window_steps, k=cfg.grad_norm_mad_k,
                                   min_rel=cfg.loss_spike_min_rel, hold=cfg.loss_spike_hold_steps,
                                   warmup=cfg.loss_spike_warmup_steps)
@@ -98,6 +109,7 @@ class HealthMonitor:
         """A new generation resumes after `step`: later observations are replayed, and its first
         steps include compilation (not a throughput regression)."""
         self.loss.rewind(step)
+        self.collapse.rewind(step)
         self.grad.rewind(step)
         self.skipped_run, self.storm_scale, self.storm_reported = [], None, False
         self.throughput.clear()
@@ -111,6 +123,8 @@ class HealthMonitor:
             return out
         if (ev := self.loss.observe(step, event.loss)) is not None:
             out.append(Incident(kind=Kind.LOSS_SPIKE, first_step=ev["steps"][0], last_step=step, evidence=ev))
+        if (ev := self.collapse.observe(step, event.loss)) is not None:
+            out.append(Incident(kind=Kind.LOSS_COLLAPSE, first_step=ev["steps"][0], last_step=step, evidence=ev))
         if (ev := self.grad.observe(step, event.grad_norm)) is not None:
             out.append(Incident(kind=Kind.GRAD_NORM_SPIKE, needs_action=self.cfg.grad_norm_action == "rollback",
                                 first_step=ev["steps"][0], last_step=step, evidence=ev))

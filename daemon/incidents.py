@@ -21,6 +21,7 @@ class Kind(str, enum.Enum):
     HANG = "hang"                          # a rank made no progress within its phase's timeout
     OOM = "oom"                            # a rank ran out of memory (cgroup OOM kill, device allocator)
     LOSS_SPIKE = "loss_spike"
+    LOSS_COLLAPSE = "loss_collapse"        # the loss far below its recent band (a shard of zeros, a broken label)
     GRAD_NORM_SPIKE = "grad_norm_spike"
     NON_FINITE = "non_finite"              # fp32/bf16: a skipped (non-finite) step
     OVERFLOW_STORM = "overflow_storm"      # fp16: skipped steps in a row, or at the scale floor

@@ -16,8 +16,9 @@ from pathlib import Path
 from daemon.incidents import Restart, Rollback
 from daemon.state import RunState
 
-COLORS = {"loss_spike": "tab:red", "non_finite": "tab:purple", "overflow_storm": "tab:orange",
-          "grad_norm_spike": "tab:pink", "crash": "tab:gray", "hang": "tab:brown", "oom": "tab:olive"}
+COLORS = {"loss_spike": "tab:red", "loss_collapse": "tab:cyan", "non_finite": "tab:purple",
+          "overflow_storm": "tab:orange", "grad_norm_spike": "tab:pink", "crash": "tab:gray", "hang": "tab:brown",
+          "oom": "tab:olive"}
 
 
 class NoStepsError(FileNotFoundError):

@@ -3,7 +3,7 @@
 DESIGN.md's ladder:
 - crash, hang: restart from the latest committed checkpoint; after
   `max_restarts_without_progress` restarts without a new checkpoint, give up (exit 3);
-- loss spike (and grad-norm spike when set to act), non-finite in fp32/bf16: roll back to the
+- loss spike or collapse (and grad-norm spike when set to act), non-finite in fp32/bf16: roll back to the
   newest healthy checkpoint before the incident began, skip the sample window the incident's
   steps consumed, and cut the lr (× lr_cut_factor, held, then ramped back); a recurrence within
   `recur_window_steps` compounds the cut; below `lr_floor_factor`, give up (exit 4);
@@ -24,7 +24,7 @@ from daemon.incidents import Action, Halt, Incident, Kind, Restart, Rollback
 from daemon.protocol import ExitCode, LrOverride, Recovery
 from engine.config import HealthConfig, TrainConfig
 
-NUMERIC = (Kind.LOSS_SPIKE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
+NUMERIC = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
 
 
 @dataclasses.dataclass(frozen=True)

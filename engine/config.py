@@ -219,6 +219,9 @@ class HealthConfig:
     loss_spike_min_rel: float = 0.1      # ... and at least this fraction above the median
     loss_spike_hold_steps: int = 3       # high steps in a row that make a spike (one bursty batch never does)
     loss_spike_warmup_steps: int = 100   # steps before spikes are judged (the loss falls fast early on)
+    loss_collapse_min_rel: float = 0.5   # a loss collapse: below median - k x MAD-sigma and at least this fraction
+                                         # below the median (0.5: under half of it), held and warmed up as a spike;
+                                         # 1.0 turns it off (a loss is never negative)
     grad_norm_mad_k: float = 6.0         # the same statistic on the gradient norm
     grad_norm_action: str = "warn"       # "warn", or "rollback" to treat a grad-norm spike like a loss spike
     overflow_storm_steps: int = 10       # fp16: skipped steps in a row that make an incident
@@ -258,6 +261,7 @@ class HealthConfig:
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1000.0, open_low=True)
         for key in ("loss_spike_min_rel", "throughput_drop", "loss_stall_min_delta"):
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0)
+        _in_range("health.loss_collapse_min_rel", self.loss_collapse_min_rel, 0.0, 1.0, open_low=True)
         _choice("health.grad_norm_action", self.grad_norm_action, ("warn", "rollback"))
         for key in ("rollback_margin_steps", "lr_hold_steps", "lr_ramp_steps", "recur_window_steps",
                     "loss_scale_cap_steps"):

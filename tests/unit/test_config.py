@@ -50,6 +50,8 @@ BAD = [
     (["optim.lr=nan"], ["optim.lr", "finite"]),
     (["train=3"], ["malformed", "section.key=value"]),
     (["train.recompute_num_layers=3"], ["train.recompute_num_layers = 3", "model.num_layers = 2"]),
+    (["health.loss_collapse_min_rel=0.0"], ["health.loss_collapse_min_rel = 0.0", "(0.0, 1.0]"]),
+    (["health.loss_collapse_min_rel=1.5"], ["health.loss_collapse_min_rel = 1.5", "(0.0, 1.0]"]),
 ]
 
 

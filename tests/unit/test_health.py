@@ -121,3 +121,54 @@ def test_a_loss_that_stops_falling_warns():
     found = [i for i in _run(_stream(falling + flat)) if i.kind == "loss_stalled"]
     assert len(found) == 1 and not found[0].needs_action
     assert found[0].evidence["steps_without_improvement"] >= CFG.loss_stall_steps
+
+
+# loss collapse: the spike detector mirrored ----------------------------------------------------
+
+def _collapses(events, cfg=CFG):
+    return [i for i in _run(events, cfg) if i.kind == "loss_collapse"]
+
+
+@pytest.mark.parametrize("name", ["normal_lr3e-3.csv", "highlr_6e-2.csv"])
+def test_the_recorded_curves_never_look_like_a_collapse(name):
+    """Both fall fast early on and are bursty (the healthy one dips to 0.68x its median for a step):
+    neither comes near half its recent median for three steps in a row."""
+    assert _collapses(_curve(name)) == []
+
+
+@pytest.mark.parametrize("hold", [2, 3, 5])
+def test_a_collapse_to_almost_nothing_is_caught_within_hold_plus_one_steps(hold):
+    """A shard of zeros: the loss goes 2.0 -> 0.01 and nothing else looks wrong."""
+    cfg = HealthConfig(loss_spike_hold_steps=hold)
+    found = _collapses(_stream(_noisy(300) + [0.01] * 10), cfg)
+    assert len(found) == 1
+    collapse = found[0]
+    assert collapse.needs_action and collapse.first_step == 301 and collapse.last_step - 301 + 1 <= hold + 1
+    assert collapse.evidence["median"] == pytest.approx(2.0, abs=0.05)
+    assert 0.01 < collapse.evidence["threshold"] <= 1.0          # at least 50% below the median
+
+
+def test_a_slow_steady_decline_is_not_a_collapse():
+    losses = [v * (0.999 ** i) for i, v in enumerate(_noisy(1500))]   # -0.1% per step: 4.5x lower at the end
+    assert _collapses(_stream(losses)) == []
+
+
+def test_a_drop_smaller_than_min_rel_is_not_a_collapse_however_quiet_the_noise():
+    """2.0 -> 1.2 is far outside a band of noise 0.05, but only 40% down: a sudden improvement is
+    rare, yet not the broken-data signature."""
+    assert _collapses(_stream(_noisy(300) + [1.2] * 10)) == []
+    assert len(_collapses(_stream(_noisy(300) + [1.2] * 10), HealthConfig(loss_collapse_min_rel=0.3))) == 1
+
+
+@pytest.mark.parametrize("burst", [1, 2])
+def test_a_few_near_zero_batches_shorter_than_the_hold_are_not_a_collapse(burst):
+    losses = _noisy(300)
+    for start in (150, 200, 250):
+        losses[start:start + burst] = [0.0] * burst
+    assert _run(_stream(losses)) == []
+
+
+def test_no_collapse_is_judged_during_warmup():
+    losses = _noisy(120)
+    losses[60:70] = [0.0] * 10           # inside the 100 warm-up steps
+    assert _run(_stream(losses)) == []

@@ -50,6 +50,21 @@ def test_recurrences_compound_the_lr_cut(earlier, factor):
     assert action.lr_overrides[0].factor == factor
 
 
+@pytest.mark.parametrize("kind,earlier,checkpoint,skip,factor", [
+    # a collapse is a numerical incident like a spike: roll back before it, skip its window, cut the lr
+    ("loss_collapse", [], 150, (8 * 202, 8 * 205), 0.5),
+    ("loss_spike", [], 150, (8 * 202, 8 * 205), 0.5),
+    ("loss_collapse", [spike(120)], 150, (8 * 202, 8 * 205), 0.25),                  # after a spike: compounds
+    ("loss_spike", [spike(120, kind="loss_collapse")], 150, (8 * 202, 8 * 205), 0.25),
+    ("loss_collapse", [spike(145, 160, kind="loss_collapse")], 100, (8 * 202, 8 * 205), 0.25),  # 150 inside it
+])
+def test_a_loss_collapse_is_decided_like_a_spike(kind, earlier, checkpoint, skip, factor):
+    action = decide(spike(203, 205, kind=kind), RunHistory(incidents=earlier, committed_steps=CKPTS,
+                                                           sample_ranges=RANGES), CFG)
+    assert isinstance(action, Rollback) and kind in action.reason
+    assert (action.checkpoint_step, action.skip, action.lr_overrides[0].factor) == (checkpoint, skip, factor)
+
+
 def test_past_the_lr_floor_it_gives_up_with_4():
     earlier = [spike(100), spike(150), spike(200), spike(250)]
     action = decide(spike(300), RunHistory(incidents=earlier, committed_steps=CKPTS), CFG)
