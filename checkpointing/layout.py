@@ -96,3 +96,15 @@ def remove_temporaries(root: Path) -> list[str]:
         for p in root.glob(f".{LATEST}.tmp-*"):
             p.unlink(missing_ok=True)
     return removed
+
+
+def remove_stale_saves(root: Path, *, before_step: int) -> list[str]:
+    """Deletes the `step-N.tmp` directories of steps before `before_step`: saves are made one at a
+    time, so those are what failed saves left (a rank re-creating one rank 0 already removed)."""
+    removed = []
+    for p in sorted(root.glob("step-*.tmp")):
+        step = parse_step(p.name.removesuffix(".tmp"))
+        if step is not None and step < before_step:
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p.name)
+    return removed

@@ -108,6 +108,8 @@ class ShardWriter:
             if layout.step_dir(self.root, step).exists():
                 self.emit("exists", step=step, seconds=0.0)
                 return
+            if self.rank == 0:          # what failed saves of earlier steps left (a full disk, most often)
+                layout.remove_stale_saves(self.root, before_step=step)
             tmp.mkdir(parents=True, exist_ok=True)
             shard = layout.shard_name(self.rank, self.world)
             blob = safetensors_bytes(tensors, metadata={"step": str(step), "rank": str(self.rank)})
@@ -125,10 +127,17 @@ class ShardWriter:
             self.emit("failed", step=step, seconds=time.monotonic() - started, error=f"{type(e).__name__}: {e}")
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            else:   # tell the committer at once rather than let it wait out its timeout
+                return
+            try:        # its own shard goes (it is space a full disk needs back) ...
+                (tmp / layout.shard_name(self.rank, self.world)).unlink(missing_ok=True)
+            except OSError:
+                pass
+            try:        # ... and the committer is told at once rather than left to wait out its timeout
+                marker = tmp / layout.marker_name(self.rank, self.world)
+                _write_durably(marker, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+            except OSError:
                 try:
-                    marker = tmp / layout.marker_name(self.rank, self.world)
-                    _write_durably(marker, json.dumps({"error": f"{type(e).__name__}: {e}"}).encode())
+                    os.rmdir(tmp)       # only if empty: never re-create a directory rank 0 removed
                 except OSError:
                     pass
 

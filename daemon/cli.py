@@ -144,7 +144,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.until_step is not None and args.until_step < 1:
         raise ConfigError(f"--until-step = {args.until_step} must be >= 1")
     from engine import worker
+    from engine.events import TolerantStream
 
+    sys.stdout, sys.stderr = TolerantStream(sys.stdout), TolerantStream(sys.stderr)   # a full disk under the log
     try:
         worker.train(cfg, until_step=args.until_step, allow_config_change=args.allow_config_change)
     except worker.CheckpointSaveError as e:
@@ -192,10 +194,14 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from daemon import status_cli
-    from daemon.state import RunState
+    from daemon.state import RunState, StateCorruptError
 
     run_dir = resolve_run_dir(args.run)
-    log_dir = Path(RunState.load(run_dir).log_dir or run_dir / "logs")
+    try:
+        log_dir = Path(RunState.load(run_dir).log_dir or run_dir / "logs")
+    except StateCorruptError as e:        # the log is what one reads then: from its default place
+        log_dir = run_dir / "logs"
+        print(f"llm-pretrain: {e}; reading {log_dir}", file=sys.stderr)
     path = log_dir / "events.jsonl"
     if not path.exists():
         print(f"llm-pretrain: no {path} yet: has a daemon run here?", file=sys.stderr)

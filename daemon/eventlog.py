@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -19,23 +20,40 @@ import structlog
 COMMON = ("ts", "level", "event", "run", "generation")
 
 
-def _clean(value: Any) -> Any:
-    """Strict JSON: non-finite floats become 'nan'/'inf', at any depth."""
+def strict_json(value: Any) -> Any:
+    """Strict JSON: non-finite floats become 'nan'/'inf'/'-inf', at any depth (events.jsonl, state.json)."""
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: strict_json(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_clean(v) for v in value]
+        return [strict_json(v) for v in value]
+    return value
+
+
+def non_finite_floats(value: Any) -> Any:
+    """The reverse of `strict_json`, for values known to hold numbers: 'nan'/'inf'/'-inf' become floats."""
+    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
+        return float(value)
+    if isinstance(value, dict):
+        return {k: non_finite_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [non_finite_floats(v) for v in value]
     return value
 
 
 class RotatingTee:
-    """structlog's logger: each rendered line to the stream and to a size-rotated file."""
+    """structlog's logger: each rendered line to the stream and to a size-rotated file. The file never
+    fails the daemon: while it cannot be written (a full or read-only disk) lines go to the stream
+    only (journald under systemd), one line on stderr says so, and the file is tried again later."""
+
+    RETRY_S = 5.0
 
     def __init__(self, path: Path | None, stream: TextIO, *, max_bytes: int, backups: int):
         self.path, self.stream, self.max_bytes, self.backups = path, stream, max_bytes, backups
         self._file = None
+        self._retry_at = 0.0
+        self._failing = False
         if path is not None:              # None: the stream only (a daemon that may not touch the run)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)
@@ -52,26 +70,50 @@ class RotatingTee:
             self.path.unlink(missing_ok=True)
         self._file = open(self.path, "a", buffering=1)
 
-    def msg(self, line: str) -> None:
-        if self._file is not None:
+    def _to_file(self, line: str) -> None:
+        if self.path is None:
+            return
+        try:
+            if self._file is None:
+                if time.monotonic() < self._retry_at:
+                    return
+                self._file = open(self.path, "a", buffering=1)
             if self.max_bytes and self._file.tell() + len(line) + 1 > self.max_bytes and self._file.tell() > 0:
                 self._rotate()
             self._file.write(line + "\n")
+            if self._failing:
+                self._failing = False
+                print(f"llm-pretrain: {self.path} is written again", file=sys.stderr, flush=True)
+        except OSError as e:
+            self._drop_file()
+            if not self._failing:
+                self._failing = True
+                print(f"llm-pretrain: cannot write {self.path} ({e.strerror or e}); logging to the stream only, "
+                      f"retrying every {self.RETRY_S:g} s", file=sys.stderr, flush=True)
+
+    def _drop_file(self) -> None:
+        file, self._file, self._retry_at = self._file, None, time.monotonic() + self.RETRY_S
+        if file is not None:
+            try:
+                file.close()
+            except OSError:
+                pass                      # its unwritten buffer goes with it
+
+    def msg(self, line: str) -> None:
+        self._to_file(line)
         print(line, file=self.stream, flush=True)
 
     debug = info = warning = error = critical = msg
 
     def reopen(self) -> None:
-        """Closes and opens the file again by name: after logrotate moved it, writing goes on in a
-        new file (the SIGHUP convention)."""
-        if self._file is not None:
-            self._file.close()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a", buffering=1)
+        """Closes the file; the next line opens it again by name: after logrotate moved it, writing
+        goes on in a new file (the SIGHUP convention)."""
+        if self.path is not None:
+            self._drop_file()
+            self._retry_at = 0.0
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        self._drop_file()
 
 
 def _timestamp(_, __, event_dict: dict) -> dict:
@@ -85,7 +127,7 @@ def _timestamp(_, __, event_dict: dict) -> dict:
 def _schema(_, method: str, event_dict: dict) -> dict:
     """The common fields first, in their order; the rest cleaned to strict JSON."""
     ordered = {k: event_dict.pop(k) for k in COMMON if k in event_dict}
-    ordered.update({k: _clean(v) for k, v in event_dict.items()})
+    ordered.update({k: strict_json(v) for k, v in event_dict.items()})
     return ordered
 
 
@@ -98,6 +140,11 @@ class EventLog:
             self._sink, processors=[structlog.processors.add_log_level, _timestamp, _schema,
                                     structlog.processors.JSONRenderer(serializer=_dumps)],
             context_class=dict, cache_logger_on_first_use=False)
+
+    @property
+    def path(self) -> Path | None:
+        """events.jsonl (its rotated backups beside it), or None: the stream only."""
+        return self._sink.path
 
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         getattr(self._log, level)(event, **{"run": self.run, "generation": self.generation, **fields})

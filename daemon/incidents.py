@@ -27,6 +27,7 @@ class Kind(str, enum.Enum):
     OVERFLOW_STORM = "overflow_storm"      # fp16: skipped steps in a row, or at the scale floor
     THROUGHPUT_REGRESSION = "throughput_regression"   # warnings only
     LOSS_STALLED = "loss_stalled"
+    CHECKPOINT_FAILING = "checkpoint_failing"         # saves fail (a full or read-only disk): training goes on
 
     @property
     def is_process_fault(self) -> bool:

@@ -4,7 +4,9 @@ Owns the bookkeeping every part of the supervisor loop shares — each change
 of status saved, each incident recorded (on disk before anything is done
 about it), each step's progress fed to the metrics and, now and then, to
 the log and state.json — so that the loop itself only decides what happens.
-No processes, no policy.
+A corrupt state.json is set aside and rebuilt from the log (daemon.rebuild)
+when the Ledger is made, with a `state_rebuilt` error event. No processes,
+no policy.
 """
 from __future__ import annotations
 
@@ -13,28 +15,52 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon import rebuild
 from daemon.control import ControlDir, Rejected, Request
 from daemon.eventlog import EventLog
-from daemon.incidents import Incident, IncidentRecord
+from daemon.incidents import Incident, IncidentRecord, Kind
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.protocol import StepEvent
-from daemon.state import RunState
+from daemon.state import RunState, StateCorruptError, set_aside
 
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
+SAVE_RETRY_S = 5.0          # an unsaved state.json is tried again this often
 
 
 class Ledger:
     def __init__(self, run_dir: Path, log: EventLog, metrics: Metrics, notify: Notifier, total_steps: int):
         self.run_dir, self.log, self.metrics, self.notify = run_dir, log, metrics, notify
         self.total_steps = total_steps
-        self.state = RunState.load(run_dir)
+        self.state = self._load()
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range [a, b)
         self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
+        self.unsaved_since: float | None = None   # state.json could not be written since then
+        self._retried_at = 0.0
+
+    def _load(self) -> RunState:
+        """state.json; a corrupt one is set aside (never deleted) and rebuilt from the event log, loudly.
+        The rebuilt state is saved by `begin`, before any generation starts."""
+        try:
+            return RunState.load(self.run_dir)
+        except StateCorruptError as e:
+            aside = set_aside(self.run_dir, time.time())
+            events = rebuild.read_events(self.log.path) if self.log.path else []
+            state, counts = rebuild.state_from_events(events)
+            state.total_steps = self.total_steps
+            state.log_dir = str(self.log.path.parent) if self.log.path else ""
+            self.emit("state_rebuilt", level="error", path=str(aside), detail=e.why, rebuilt=counts,
+                      generations=state.generation, pending_rollback=state.pending_rollback,
+                      recovery=state.recovery.to_dict() if state.recovery else None)
+            return state
 
     def tick(self, now: float | None = None) -> None:
         """From the loop, every tick: systemd's watchdog; the log files reopened after a SIGHUP."""
         self.notify.tick(now)
+        t = time.monotonic()
+        if self.unsaved_since is not None and t - self._retried_at >= SAVE_RETRY_S:
+            self._retried_at = t
+            self.save()
         if self.reopen_requested:
             self.reopen_requested = False
             self.log.reopen()
@@ -46,8 +72,53 @@ class Ledger:
         self.state.daemon_pid, self.state.total_steps, self.state.log_dir = os.getpid(), total_steps, str(log_dir)
         self.save()
 
+    def next_generation(self) -> int:
+        self.state.generation = self.log.generation = self.state.generation + 1
+        self.metrics.update(generation=self.state.generation)
+        return self.state.generation
+
     def save(self) -> None:
-        self.state.save(self.run_dir)
+        """state.json, atomically. A disk that refuses it (full, read-only, I/O error) never ends the
+        daemon: the state stays in memory, is said to be unsaved, and `tick` tries again."""
+        try:
+            self.state.save(self.run_dir)
+        except OSError as e:
+            if self.unsaved_since is None:
+                self.unsaved_since = time.monotonic()
+                self.emit("state_save_failed", level="error", detail=f"{e.strerror or e}: state.json kept in "
+                          f"memory, written again as soon as the disk takes it")
+            return
+        if self.unsaved_since is not None:
+            self.emit("state_saved", detail=f"state.json written again after "
+                                            f"{time.monotonic() - self.unsaved_since:.0f} s")
+            self.unsaved_since = None
+
+    def checkpoint_failed(self, step: int, detail: str) -> None:
+        """The first failed save since the last commit is a health warning (a full or read-only disk,
+        most often); later ones only extend it. Training goes on; saves are tried at each interval."""
+        if self.state.checkpoints_failing_since is None:
+            self.state.checkpoints_failing_since = step
+            self.metrics.update(checkpoints_failing_since_step=step)
+            self.warn(Incident(kind=Kind.CHECKPOINT_FAILING, first_step=step, last_step=step, needs_action=False,
+                               detail=f"checkpoints failing since step {step}: {detail}",
+                               evidence={"detail": detail}))
+
+    def checkpoint_committed(self, step: int) -> None:
+        self.metrics.update(last_checkpoint_unix_s=time.time())
+        if self.state.checkpoints_failing_since is not None:
+            self.emit("checkpoints_resumed", step=step,
+                      failing_since_step=self.state.checkpoints_failing_since)
+            self.state.checkpoints_failing_since = None
+            self.metrics.update(checkpoints_failing_since_step=0)
+            self.save()
+
+    def command_sent(self, name: str, args: dict, append) -> None:
+        """`append(name, args)` writes the command for the ranks and returns its seq; a disk that
+        refuses it is an error event, not the daemon's end."""
+        try:
+            self.emit("command_sent", name=name, seq=append(name, args), args=args)
+        except OSError as e:
+            self.emit("command_failed", level="error", name=name, args=args, detail=f"{e.strerror or e}")
 
     def emit(self, event: str, level: str = "info", **fields: Any) -> None:
         self.log.emit(event, level=level, **fields)

@@ -34,6 +34,7 @@ class Metrics:
         self.restarts = 0
         self.incidents: Counter[str] = Counter()
         self.last_checkpoint_unix_s: float | None = None
+        self.checkpoints_failing_since_step = 0
         self._lock = threading.Lock()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._textfile: Path | None = None
@@ -60,6 +61,9 @@ class Metrics:
                 ("generation", "gauge", "generations started (restarts + 1)", self.generation, ""),
                 ("restarts_total", "counter", "restarts after incidents", self.restarts, ""),
                 ("seconds_since_checkpoint", "gauge", "seconds since the last committed checkpoint", since, ""),
+                ("checkpoints_failing_since_step", "gauge",
+                 "the step of the first failed save since the last commit (0: saves succeed)",
+                 self.checkpoints_failing_since_step, ""),
             ]
             incidents = dict(self.incidents)
         out = []
@@ -116,7 +120,8 @@ class Metrics:
         steps = layout.committed_steps(ckpt_root)
         if steps:
             self.update(last_checkpoint_unix_s=layout.step_dir(ckpt_root, steps[-1]).stat().st_mtime, step=steps[-1])
-        self.update(restarts=state.restarts, generation=state.generation)
+        self.update(restarts=state.restarts, generation=state.generation,
+                    checkpoints_failing_since_step=state.checkpoints_failing_since or 0)
         for record in state.incidents:
             self.count_incident(record.kind.value)
         if run.metrics_textfile:

@@ -63,7 +63,8 @@ def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
             "last_request": None if not state.last_control else {
                 "name": state.last_control["name"], "age_s": round(now - state.last_control["unix_s"], 1),
                 "reason": state.last_control.get("reason")},
-            "recovery": state.recovery}
+            "checkpoints_failing_since_step": state.checkpoints_failing_since,
+            "recovery": state.recovery.to_dict() if state.recovery else None}
 
 
 def _duration(seconds: float | None) -> str:
@@ -95,6 +96,9 @@ def render(s: dict[str, Any]) -> str:
     if req:
         rows.append(("last request", f"{req['name']} ({_duration(req['age_s'])} ago)" +
                      (f": {req['reason']}" if req["reason"] else "")))
+    if s["checkpoints_failing_since_step"] is not None:
+        rows.append(("checkpoints", f"FAILING since step {s['checkpoints_failing_since_step']} (see checkpoint_failed "
+                                    "events: a full or read-only disk?)"))
     if s["config_changes"]:
         rows.append(("config changes", ", ".join(f"{k}={v}" for k, v in s["config_changes"].items())))
     width = max(len(k) for k, _ in rows)
@@ -150,7 +154,8 @@ def _lines(path: Path, follow: bool, poll_s: float = 0.25) -> Iterator[str]:
 
 
 def logs(log_path: Path, *, follow: bool, level: str | None, events: list[str], rank: int | None,
-         as_json: bool, out: TextIO = sys.stdout) -> None:
+         as_json: bool, out: TextIO | None = None) -> None:
+    out = out or sys.stdout           # looked up now: bound at import it would outlive a replaced stdout
     for line in _lines(log_path, follow):
         try:
             record = json.loads(line)

@@ -20,7 +20,7 @@ from daemon import cluster, control, memcg, recovery, watch
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, kill_orphans, socket_path
 from daemon.health import HealthMonitor
-from daemon.incidents import Halt, Incident
+from daemon.incidents import Halt, Incident, Kind
 from daemon.ledger import Ledger
 from daemon.lock import LockHeldError, LockUnusableError, RunLock
 from daemon.metrics import Metrics, MetricsPortError
@@ -126,15 +126,16 @@ class Supervisor:
                 return code
 
     def _generation(self) -> watch.Outcome:
-        cfg, n, ledger = self.cfg, self.state.generation + 1, self.ledger
-        self.state.generation = ledger.log.generation = n
-        ledger.metrics.update(generation=n)
-        resume = self.files.prepare_generation(cfg, self.state.recovery)
+        cfg, n, ledger = self.cfg, self.ledger.next_generation(), self.ledger
+        try:
+            resume = self.files.prepare_generation(cfg, self.state.recovery)
+        except OSError as e:              # a full or read-only run directory: a crash, with backoff
+            return watch.Failed(Incident(kind=Kind.CRASH, first_step=0, last_step=0, detail=(
+                f"cannot write the generation's files under {self.files.run_dir}: {e.strerror or e}")))
         self.monitor.rewind(resume)
         ranks, port = self.files.local_ranks, cfg.run.master_port or cluster.free_port(cfg.run.master_addr)
-        sock = socket_path(cfg, self.files.run_dir, self.env)
-        gen = Generation(cfg, number=n, sock_path=sock, log_dir=self.files.log_dir, memcg_parent=self.memcg_parent,
-                         cgroup_dir=self.files.cgroup_dir)
+        gen = Generation(cfg, number=n, sock_path=socket_path(cfg, self.files.run_dir, self.env),
+                         log_dir=self.files.log_dir, memcg_parent=self.memcg_parent, cgroup_dir=self.files.cgroup_dir)
         outcome: watch.Outcome | None = None
         try:
             with gen:
@@ -142,8 +143,8 @@ class Supervisor:
                     gen.start_scheduler(self.scheduler_cmd, self.files.scheduler_env(self.env, cfg, port=port,
                                                                                      generation=n))
                 for rank in ranks:
-                    gen.start_rank(rank, [*self.worker_cmd, "--config", str(self.files.resolved_config)],
-                                   self.files.rank_env(self.env, cfg, rank=rank, port=port, generation=n, sock=sock))
+                    env = self.files.rank_env(self.env, cfg, rank=rank, port=port, generation=n, sock=gen.sock_path)
+                    gen.start_rank(rank, [*self.worker_cmd, "--config", str(self.files.resolved_config)], env)
                 self.state.processes = [w.record() for w in gen.workers]
                 ledger.set_status("running")
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
@@ -185,8 +186,7 @@ class Supervisor:
         ledger = self.ledger
         for e in effects:
             if isinstance(e, watch.Send):
-                ledger.emit("command_sent", name=e.name, seq=self.files.append_command(e.name, dict(e.args)),
-                            args=dict(e.args))
+                ledger.command_sent(e.name, dict(e.args), self.files.append_command)
             elif isinstance(e, watch.Note):
                 ledger.emit(e.event, level=e.level, **e.fields)
             elif isinstance(e, watch.Status):
@@ -195,8 +195,10 @@ class Supervisor:
                 ledger.progress(e.event, log=e.log, notify=e.notify)
             elif isinstance(e, watch.Warned):
                 ledger.warn(e.incident)
+            elif isinstance(e, watch.CheckpointFailed):
+                ledger.checkpoint_failed(e.step, e.detail)
             elif isinstance(e, watch.Committed):
-                ledger.metrics.update(last_checkpoint_unix_s=time.time())
+                ledger.checkpoint_committed(e.step)
                 if retired := self.files.retire_old(self.cfg, self.state.incidents, current_step=e.current_step):
                     ledger.emit("checkpoints_retired", step=e.step, steps=retired)
             elif isinstance(e, watch.DumpStacks):

@@ -94,12 +94,19 @@ class Committed:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointFailed:
+    """A save failed (rank's detail says why); training goes on."""
+    step: int
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
 class DumpStacks:
     """Ask these live ranks for their Python stacks (faulthandler on SIGUSR1)."""
     ranks: tuple[int, ...]
 
 
-Effect = Send | Note | Status | Progress | Warned | Committed | DumpStacks
+Effect = Send | Note | Status | Progress | Warned | Committed | CheckpointFailed | DumpStacks
 
 
 # Outcomes: how a generation ends ------------------------------------------------------------
@@ -241,6 +248,8 @@ class Watch:
     def _checkpoint(self, ev: CheckpointEvent) -> None:
         if ev.stage == "committed":
             self._do(Committed(ev.step, max(self.last_step, ev.step)))
+        elif ev.stage == "failed":
+            self._do(CheckpointFailed(ev.step, ev.detail))
         if ev.stage in ("committed", "failed", "quarantined"):
             self._do(Note(f"checkpoint_{ev.stage}", "info" if ev.stage == "committed" else "error",
                           {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))

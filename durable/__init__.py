@@ -36,10 +36,14 @@ def write_atomically(path: Path | str, data: str | bytes, *, sync_dir: bool = Tr
     caller that fsyncs the directory after several writes may skip it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)       # a full disk must not also keep the part written
+        raise
     if sync_dir:
         fsync_path(path.parent)

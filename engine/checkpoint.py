@@ -15,6 +15,7 @@ run_state/load_run_state pair.
 from __future__ import annotations
 
 import platform
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -72,6 +73,7 @@ class TrainerCheckpoints:
         sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
         self.plan = partition.assign(sizes, self.world)
         self._staging: dict[str, np.ndarray] = {}
+        self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
                                   on_commit=self._retire if retain else None)
 
@@ -106,6 +108,10 @@ class TrainerCheckpoints:
         state = self._run_state()
         step = state["step"]
         self.writer.ready(step)
+        if (short := self._space_short()) is not None:
+            self.writer.last_error = checkpointing.CheckpointError(short)   # this save failed, said early
+            self._emit("failed", step=step, error=short)
+            return
         started = time.monotonic()
         mine = self._staging
         for p in self.params:
@@ -119,6 +125,24 @@ class TrainerCheckpoints:
         self.writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
                          versions=versions)
         self._emit("staged", step=step, seconds=time.monotonic() - started)
+
+    def _space_short(self) -> str | None:
+        """Why a save cannot fit, if it cannot: less space free than the last checkpoint took. Saves
+        are tried again at each interval, so they resume by themselves when space comes back."""
+        steps = layout.committed_steps(self.root)
+        if not steps:
+            return None
+        if self._last_size[0] != steps[-1]:
+            try:
+                manifest = reader.read_manifest(layout.step_dir(self.root, steps[-1]))
+            except checkpointing.CheckpointError:
+                return None
+            self._last_size = (steps[-1], sum(sh["size_bytes"] for sh in manifest["shards"]))
+        needed, free = self._last_size[1], shutil.disk_usage(self.root).free
+        if free >= needed:
+            return None
+        return (f"not enough free space for a checkpoint: {free:,} bytes free under {self.root}, the last one "
+                f"took {needed:,}; saving is tried again at the next interval")
 
     def wait(self) -> bool:
         """Blocks until this rank's save in flight (and, on rank 0, its commit) is done; True if it succeeded."""

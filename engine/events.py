@@ -25,6 +25,33 @@ class EventSink:
         line = event.to_json()
         with self._lock:
             if log:
-                print(line, file=self.out, flush=True)
+                try:
+                    print(line, file=self.out, flush=True)
+                except OSError:
+                    pass       # a full disk under the rank's log: the datagram still reaches the daemon
             if self._sock is not None:
                 send_datagram(self._sock, self.socket_path, event)
+
+
+class TolerantStream:
+    """A text stream whose writes never raise OSError: a rank's stdout and stderr are its log file, and
+    a full disk under it must not end the rank (what could not be written is lost; the daemon still
+    gets every event as a datagram)."""
+
+    def __init__(self, stream: TextIO):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError:
+            pass
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

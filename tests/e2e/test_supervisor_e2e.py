@@ -135,3 +135,63 @@ def test_a_worker_that_always_dies_at_start_gives_up_with_3(cli, quiet_env, tmp_
     assert proc.returncode == 3, err[-2000:]
     events = _events(run)
     assert len(_named(events, "crash")) == 3 and _named(events, "gave_up")[0]["code"] == 3
+
+
+def test_a_full_disk_never_ends_the_daemon_and_saves_resume_when_space_returns(cli, quiet_env, tmp_path,
+                                                                                stdlib_corpus):
+    """The whole run directory (state.json, logs, checkpoints) on a 24 MiB tmpfs, filled to the last
+    byte after two checkpoints: training goes on, failed saves are reported once as a warning, nothing
+    leaks; space back, saves resume by themselves, and a stop commits a final checkpoint (exit 0)."""
+    import threading
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    run = tmp_path / "run"
+    run.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(run)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    events, filler = [], run / "filler"
+    try:
+        proc, _ = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "run.compile_cache=false",
+                          "checkpoint.keep_last=2", steps=100000)
+        reader = threading.Thread(target=lambda: events.extend(json.loads(l) for l in proc.stdout
+                                                               if l.startswith("{")), daemon=True)
+        reader.start()
+        named = lambda name: [e for e in list(events) if e["event"] == name]
+        _wait_for(lambda: len(named("checkpoint_committed")) >= 2, what="two checkpoints")
+        with open(filler, "wb") as f:                     # every byte left, then some: ENOSPC
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError:
+                pass
+        _wait_for(lambda: len(named("checkpoint_failed")) >= 3, what="three failed saves")
+        assert proc.poll() is None, "a full disk ended the daemon"
+        filler.unlink()
+        _wait_for(lambda: named("checkpoints_resumed"), what="saves to resume")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=300)
+        reader.join(timeout=10)
+        assert proc.returncode == 0
+        failing = [e for e in named("health_warning") if e["kind"] == "checkpoint_failing"]
+        assert len(failing) == 1 and "checkpoints failing since step" in failing[0]["detail"]
+        assert named("checkpoints_resumed")[0]["failing_since_step"] == failing[0]["first_step"]
+        assert named("state_save_failed") and named("state_saved")       # state.json refused, then written
+        final = named("daemon_exit")[-1]
+        assert final["reason"] == "stopped"
+        state = json.loads((run / "state.json").read_text())
+        assert state["status"] == "stopped" and state["checkpoints_failing_since"] is None
+        assert not list(run.glob("checkpoints/step-*.tmp")) and not list(run.rglob(".*.tmp-*"))
+        last = layout.committed_steps(run / "checkpoints")[-1]
+        assert last == final["step"] and last > failing[0]["first_step"]
+        print(f"saves failed from step {failing[0]['first_step']}, {len(named('checkpoint_failed'))} failed saves, "
+              f"resumed at {named('checkpoints_resumed')[0]['step']}, final {last}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["umount", "-l", str(run)], capture_output=True)

@@ -247,3 +247,13 @@ def test_the_resume_step_reported_is_one_the_ranks_can_load(tmp_path):
     assert code == 0, err
     assert _named(events, "daemon_start")[0]["last_committed_step"] == 15
     assert _named(events, "generation_start")[0]["resume_step"] == 15
+
+
+def test_a_run_directory_that_refuses_the_generation_s_files_is_a_crash_loop_not_a_traceback(tmp_path):
+    run = tmp_path / "run"
+    (run / "config.resolved.toml").mkdir(parents=True)      # the resolved config cannot be written there
+    code, events, err = _finish(_start(run, overrides=["health.max_restarts_without_progress=2"],
+                                       fake=["--steps", "3"]))
+    assert code == 3 and "Traceback" not in err
+    crashes = _named(events, "incident")
+    assert len(crashes) == 2 and "cannot write the generation's files" in crashes[0]["detail"]

@@ -243,6 +243,13 @@ def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
     text = status_cli.render(s)
     assert "400 / 1000" in text and "loss_spike at step 300 -> rollback" in text and "5m00s" in text
     assert "checkpoint" in text and "before upgrade" in text
+    json.dumps(s)                                  # what `status --json` prints
+    state.checkpoints_failing_since = 390
+    state.recovery = Recovery(checkpoint_step=280, skip_ranges=((10, 20),))
+    state.save(tmp_path)
+    s = status_cli.summary(tmp_path)
+    assert "FAILING since step 390" in status_cli.render(s)
+    assert json.loads(json.dumps(s))["recovery"]["skip_ranges"] == [[10, 20]]
     state.daemon_pid = 0
     state.save(tmp_path)
     assert status_cli.summary(tmp_path)["status"] == "running (daemon not running)"

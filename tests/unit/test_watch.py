@@ -246,6 +246,8 @@ def test_checkpoint_events_are_reported_and_a_commit_asks_for_retention():
     w.on_event(CheckpointEvent(rank=0, generation=1, step=20, stage="failed", detail="ENOSPC"), 3.0)
     effects = [e for e in w.drain() if not isinstance(e, Progress)]
     assert effects[0] == Committed(10, current_step=12)
+    assert watch.CheckpointFailed(20, "ENOSPC") in effects          # training goes on: no outcome
+    assert w.tick(3.0) is None
     assert [(n.event, n.level) for n in kinds(effects, Note)] == [("checkpoint_committed", "info"),
                                                                    ("checkpoint_failed", "error")]
 
