@@ -19,6 +19,27 @@ from daemon.runs import RunNotFoundError, resolve_run_dir
 from engine.config import ConfigError, DataError, config_hash, load_config
 
 
+_EXIT_MEANINGS = {
+    ExitCode.OK: "finished, or stopped on request",
+    ExitCode.USAGE: "command-line usage error (also: no such run)",
+    ExitCode.GAVE_UP_CRASH_LOOP: "gave up: restarts made no progress",
+    ExitCode.GAVE_UP_NUMERICS: "gave up: numerical incidents beyond the policy's limits",
+    ExitCode.LOCKED: "another daemon holds this run's lock",
+    ExitCode.DATA_ERROR: "bad data, a bad checkpoint or a corrupt state.json",
+    ExitCode.INTERNAL_ERROR: "internal error (systemd restarts the service)",
+    ExitCode.CONFIG_ERROR: "bad configuration",
+}
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("llm-pretrain")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="TOML config (default: the embedded tiny config, configs/tiny.toml)")
@@ -27,8 +48,10 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="llm-pretrain",
-                                     description="Fault-tolerant LLM pretraining on MindSpore.")
+    codes = "\n".join(f"  {int(c):>3}  {_EXIT_MEANINGS[c]}" for c in ExitCode)
+    parser = argparse.ArgumentParser(prog="llm-pretrain", description="Fault-tolerant LLM pretraining on MindSpore.",
+                                     epilog=f"exit codes:\n{codes}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"llm-pretrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     train = sub.add_parser("train", help="train in this process (also the entry point of each rank)")
@@ -331,10 +354,25 @@ COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_pre
             "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control}
 
 
+# Commands that only print: a closed pipe (`status --json | head`) ends them as it ends any Unix tool,
+# quietly by SIGPIPE. The long-running ones keep Python's default: their output is never worth dying for.
+_PRINTING = {"status", "logs", "config", "checkpoints", "plot", "export", "import-config", "install-service",
+             "pause", "resume", "checkpoint", "stop", "inject"}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in _PRINTING and argv is None:
+        import signal
+
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     try:
         return int(COMMANDS[args.command](args))
+    except BrokenPipeError:          # the reader went away (in-process calls keep Python's SIGPIPE)
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return ExitCode.OK
     except RunNotFoundError as e:
         print(f"llm-pretrain: {e}", file=sys.stderr)
         return ExitCode.USAGE

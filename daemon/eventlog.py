@@ -101,7 +101,10 @@ class RotatingTee:
 
     def msg(self, line: str) -> None:
         self._to_file(line)
-        print(line, file=self.stream, flush=True)
+        try:
+            print(line, file=self.stream, flush=True)
+        except (OSError, ValueError):
+            pass          # a closed stdout (journald restarted, a pipe's reader gone) never ends the daemon
 
     debug = info = warning = error = critical = msg
 

@@ -56,3 +56,32 @@ def test_config_command_never_loads_mindspore(quiet_env):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=quiet_env, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert '"steps": 5' in proc.stdout and '"config_hash"' in proc.stdout
+
+
+@pytest.mark.parametrize("command", [["logs", "{run}"], ["logs", "{run}", "--json"], ["status", "{run}", "--json"],
+                                     ["config"], ["checkpoints", "list", "{run}"]])
+def test_a_closed_pipe_ends_a_printing_command_quietly(tmp_path, cli, quiet_env, command):
+    """`llm-pretrain logs RUN | head -1`: the reader goes away; no traceback, no exit 70."""
+    import json
+
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "state.json").write_text(json.dumps({"status": "finished", "log_dir": str(run / "logs")}))
+    line = json.dumps({"ts": "2026-11-30T00:00:00.000Z", "level": "info", "event": "progress", "run": "r",
+                       "generation": 1, "step": 1, "loss": 2.5, "detail": "x" * 200})
+    (run / "logs" / "events.jsonl").write_text((line + "\n") * 20000)         # ~6 MB: more than a pipe holds
+    args = [a.format(run=run) for a in command]
+    proc = subprocess.Popen([*cli, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=quiet_env)
+    proc.stdout.close()             # the reader is gone before the first line (`head` already had its fill)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert proc.returncode in (0, -13), err                                     # done, or SIGPIPE like `yes`
+    assert "Traceback" not in err and "BrokenPipe" not in err and "internal error" not in err
+
+
+@pytest.mark.parametrize("command", [["status", "/etc"], ["logs", "/etc"], ["checkpoints", "list", "/etc"],
+                                     ["pause", "/etc"], ["status", "no-such-run"]])
+def test_a_directory_that_is_not_a_run_is_a_usage_error(cli, quiet_env, tmp_path, command):
+    proc = subprocess.run([*cli, *command], capture_output=True, text=True, env=quiet_env, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and ("not a run" in proc.stderr or "no run" in proc.stderr)

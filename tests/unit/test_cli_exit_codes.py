@@ -25,3 +25,16 @@ def test_usage_error_is_2():
     with pytest.raises(SystemExit) as info:
         cli.main(["no-such-command"])
     assert info.value.code == ExitCode.USAGE
+
+
+def test_help_lists_every_exit_code_and_version_answers(capsys):
+    import pytest
+
+    from daemon.cli import build_parser
+    from daemon.protocol import ExitCode
+
+    text = build_parser().format_help()
+    assert all(f"  {int(c):>3}  " in text for c in ExitCode)
+    with pytest.raises(SystemExit) as done:
+        build_parser().parse_args(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.startswith("llm-pretrain ")
