@@ -110,7 +110,7 @@ class Ledger:
                       failing_since_step=self.state.checkpoints_failing_since)
             self.state.checkpoints_failing_since = None
             self.metrics.update(checkpoints_failing_since_step=0)
-            self.save()
+        self.save()                        # with the step reached: `status` is never behind the checkpoints
 
     def command_sent(self, name: str, args: dict, append) -> None:
         """`append(name, args)` writes the command for the ranks and returns its seq; a disk that
@@ -174,9 +174,10 @@ class Ledger:
         if notify:
             self.notify.status(f"step {ev.step}/{self.total_steps} loss {ev.loss:.4f} {ev.tokens_per_s:.0f} tokens/s "
                                f"generation {self.state.generation}")
+        # always in memory, so that every save (a commit, a pause, a stop, the exit) records the last step
+        self.state.last_progress = {"step": ev.step, "loss": ev.loss, "lr": ev.lr, "tokens": ev.tokens,
+                                    "tokens_per_s": ev.tokens_per_s, "unix_s": time.time()}
         if log:
             self.emit("progress", step=ev.step, loss=ev.loss, lr=ev.lr, tokens_per_s=round(ev.tokens_per_s, 1),
                       skipped=ev.skipped)
-            self.state.last_progress = {"step": ev.step, "loss": ev.loss, "lr": ev.lr, "tokens": ev.tokens,
-                                        "tokens_per_s": ev.tokens_per_s, "unix_s": time.time()}
             self.save()

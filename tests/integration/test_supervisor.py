@@ -37,6 +37,7 @@ def _named(events, name):
 def test_clean_run_finishes_with_0(tmp_path):
     code, events, err = _finish(_start(tmp_path / "run", fake=["--steps", "12"], ranks=2))
     assert code == 0, err
+    assert RunState.load(tmp_path / "run").last_progress["step"] == 12      # `status` tells the last step
     assert _named(events, "daemon_exit")[0]["reason"] == "finished"
     assert len(_named(events, "generation_start")) == 1
     assert RunState.load(tmp_path / "run").status == "finished"
@@ -111,6 +112,8 @@ def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):
     assert code == 0, err
     assert _named(events, "command_sent")[0]["name"] == "stop"
     assert _named(events, "daemon_exit")[0]["reason"] == "stopped"
+    stopped_at = _named(events, "daemon_exit")[0]["step"]
+    assert RunState.load(run).last_progress["step"] == stopped_at              # not the step of the last 10 s
     assert list((run / "checkpoints").glob("step-*")), "no final checkpoint"
 
 
