@@ -60,6 +60,10 @@ def run(action: str, run_name: str, *, step: int | None = None, as_json: bool = 
     if not steps:
         print(f"llm-pretrain: no committed checkpoints in {root}", file=sys.stderr)
         return ExitCode.DATA_ERROR
+    if step is not None and step not in steps:
+        print(f"llm-pretrain: no committed checkpoint at step {step} in {root}; there are: "
+              f"{', '.join(map(str, steps))}", file=sys.stderr)
+        return ExitCode.USAGE
     if action == "show":
         chosen = step if step is not None else steps[-1]
         try:

@@ -314,7 +314,12 @@ def _cmd_inject(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(f"inject: {e}") from None
     body = {**request.to_dict(), **({"reason": args.reason} if args.reason else {})}
-    path = control.write_request(_control_dir(args.run), "inject", body)
+    control_dir = _control_dir(args.run)
+    resolved = control_dir.parent / "config.resolved.toml"          # what the running daemon runs with
+    if resolved.exists() and not load_config(resolved).health.allow_fault_injection:
+        raise ConfigError(f"fault drills are off for this run ({resolved}): set health.allow_fault_injection = "
+                          "true and restart the daemon")
+    path = control.write_request(control_dir, "inject", body)
     print(f"requested: {path} (the daemon's log acknowledges it with a `control` event)")
     return ExitCode.OK
 

@@ -47,3 +47,4 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+

@@ -85,3 +85,28 @@ def test_a_directory_that_is_not_a_run_is_a_usage_error(cli, quiet_env, tmp_path
     proc = subprocess.run([*cli, *command], capture_output=True, text=True, env=quiet_env, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and ("not a run" in proc.stderr or "no run" in proc.stderr)
+
+
+def test_checkpoints_show_of_a_missing_step_names_the_steps_there_are(tmp_path, cli, quiet_env):
+    from tests.integration.test_checkpoint_store import _save
+
+    for step in (3, 6):
+        _save(tmp_path / "run" / "checkpoints", step)
+    for action in ("show", "verify"):
+        proc = subprocess.run([*cli, "checkpoints", action, str(tmp_path / "run"), "--step", "9999"],
+                              capture_output=True, text=True, env=quiet_env, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            f"llm-pretrain: no committed checkpoint at step 9999 in {tmp_path / 'run' / 'checkpoints'}; "
+            "there are: 3, 6"]
+
+
+def test_a_drill_for_a_run_whose_daemon_has_drills_off_is_refused_with_78(tmp_path, cli, quiet_env):
+    from engine.config import load_config, to_toml
+
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    (run / "config.resolved.toml").write_text(to_toml(load_config(None)))     # drills off, as by default
+    proc = subprocess.run([*cli, "inject", "nan", str(run)], capture_output=True, text=True, env=quiet_env,
+                          timeout=60)
+    assert proc.returncode == 78 and "health.allow_fault_injection" in proc.stderr
+    assert not list((run / "control").iterdir())                                # nothing left to wait
