@@ -161,6 +161,13 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)   # validated before MindSpore is loaded
+    import os
+
+    if os.environ.get("MS_ROLE") == "MS_SCHED":      # msrun starts the same command as the cluster's scheduler
+        from engine import scheduler
+
+        scheduler.main()
+        return ExitCode.OK
     from engine import runtime
 
     runtime.check_process_count(cfg)

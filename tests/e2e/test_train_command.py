@@ -20,3 +20,32 @@ def test_train_prints_json_lines_and_checkpoints_at_the_end(cli, quiet_env, tmp_
     restarted = [json.loads(line) for line in again.stdout.splitlines()]
     assert again.returncode == 0 and not [e for e in restarted if e["kind"] == "step"]   # already done
     assert restarted[-1]["reason"] == "finished" and restarted[-1]["step"] == 4
+
+
+def test_msrun_launches_train_as_mindspore_users_do(quiet_env, tmp_path, stdlib_corpus):
+    """msrun starts the same command as the scheduler (MS_ROLE=MS_SCHED) and as each worker: `train`
+    must be the scheduler there, or the cluster never forms. Both workers see the same global losses."""
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    from daemon.cluster import free_port
+
+    bin_dir = Path(sys.executable).parent
+    if not (bin_dir / "msrun").exists() or not (bin_dir / "llm-pretrain").exists():
+        pytest.skip("msrun or the installed llm-pretrain script is not in this environment")
+    run = tmp_path / "run"
+    cmd = [str(bin_dir / "msrun"), "--worker_num", "2", "--local_worker_num", "2", "--master_port",
+           str(free_port()), "--join", "True", "--log_dir", str(tmp_path / "msrun_log"), str(bin_dir / "llm-pretrain"),
+           "train", "--set", "train.steps=20", "--set", f'run.dir="{run}"', "--set", f'data.path="{stdlib_corpus}"',
+           "--set", "parallel.dp=2", "--set", "train.micro_batch=4", "--set", "train.log_interval_steps=1"]
+    env = dict(quiet_env, PATH=f"{bin_dir}:{quiet_env.get('PATH', '')}")
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    losses = []
+    for rank in (0, 1):
+        lines = (tmp_path / "msrun_log" / f"worker_{rank}.log").read_text().splitlines()
+        losses.append([json.loads(l)["loss"] for l in lines if l.startswith("{") and '"kind": "step"' in l])
+    assert len(losses[0]) == 20 and losses[0] == losses[1]
+    assert (run / "checkpoints" / "step-00000020" / "manifest.json").exists()
