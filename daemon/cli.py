@@ -150,12 +150,19 @@ def _add_tools(sub) -> None:
     svc.add_argument("--tmpfiles-dest", default="/etc/tmpfiles.d", help="where the tmpfiles.d entry goes")
     svc.add_argument("--etc", default="/etc/llm-pretrain", help="configs and the Ascend EnvironmentFile")
 
-    show = sub.add_parser("config", help="validate a config and print it resolved, with its trajectory hash")
+    show = sub.add_parser("config", help="validate a config and print it resolved (TOML, a file `--config` "
+                                         "reads back), with its trajectory hash")
     _add_config_args(show)
+    show.add_argument("--json", action="store_true", help="JSON: {config, config_hash}")
 
 def _cmd_config(args: argparse.Namespace) -> int:
+    from engine.config import to_toml
+
     cfg = load_config(args.config, args.overrides)
-    print(json.dumps({"config": cfg.to_dict(), "config_hash": config_hash(cfg)}, indent=2))
+    if args.json:
+        print(json.dumps({"config": cfg.to_dict(), "config_hash": config_hash(cfg)}, indent=2))
+    else:
+        print(to_toml(cfg, [f"resolved by `llm-pretrain config`; trajectory hash {config_hash(cfg)}"]), end="")
     return ExitCode.OK
 
 

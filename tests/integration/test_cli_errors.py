@@ -55,7 +55,22 @@ def test_config_command_never_loads_mindspore(quiet_env):
             "assert 'mindspore' not in sys.modules, 'mindspore was imported'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=quiet_env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert '"steps": 5' in proc.stdout and '"config_hash"' in proc.stdout
+    assert "\nsteps = 5\n" in proc.stdout and "# resolved by `llm-pretrain config`; trajectory hash " in proc.stdout
+
+
+def test_config_prints_toml_that_reads_back_equal_and_json_on_request(tmp_path, cli, quiet_env):
+    import json
+
+    from engine.config import config_hash, load_config
+
+    sets = ["--set", "train.steps=7", "--set", 'run.name="x"']
+    toml = subprocess.run([*cli, "config", *sets], capture_output=True, text=True, env=quiet_env, timeout=60)
+    (tmp_path / "resolved.toml").write_text(toml.stdout)
+    expected = load_config(None, [sets[1], sets[3]])
+    assert toml.returncode == 0 and load_config(tmp_path / "resolved.toml") == expected
+    as_json = subprocess.run([*cli, "config", "--json", *sets], capture_output=True, text=True, env=quiet_env,
+                             timeout=60)
+    assert json.loads(as_json.stdout)["config_hash"] == config_hash(expected)
 
 
 @pytest.mark.parametrize("command", [["logs", "{run}"], ["logs", "{run}", "--json"], ["status", "{run}", "--json"],
