@@ -70,9 +70,7 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
             signal.signal(signal.SIGHUP, lambda *_: setattr(self.ledger, "reopen_requested", True))
-            code = self._start()
-            if code is None:
-                code = self._loop()
+            code = self._start() or self._loop()      # _start returns an exit code only to end at once
             self.ledger.notify.stopping(f"exiting with {int(code)} ({self.state.status})")
             return code
         finally:
@@ -164,6 +162,7 @@ class Supervisor:
     def _watch(self, gen: Generation, w: watch.Watch) -> watch.Outcome:
         while True:
             now = time.monotonic()
+            ended = gen.new_exits()          # before the events: a rank's last datagram precedes its exit
             for event in gen.events():
                 w.on_event(event, now)
             self._apply(w.drain(), gen)
@@ -172,9 +171,9 @@ class Supervisor:
                 w.on_control(request, now)
             if self.stop_reason:
                 w.request_stop(self.stop_reason, now, force=self.signals > 1)
-            for ended in gen.new_exits():
-                w.on_exit(ended.rank, ended.code, now, oom_kills=ended.oom_kills, peak_bytes=ended.peak_bytes,
-                          device_oom_line=ended.device_oom_line)
+            for e in ended:
+                w.on_exit(e.rank, e.code, now, oom_kills=e.oom_kills, peak_bytes=e.peak_bytes,
+                          device_oom_line=e.device_oom_line)
             outcome = w.tick(now)
             self._apply(w.drain(), gen)
             if outcome is not None:
