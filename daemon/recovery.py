@@ -36,13 +36,14 @@ class Decision:
 def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config,
                       base_cfg: Config) -> Decision:
     state = ledger.state
-    committed = files.committed_step()
+    steps = files.committed_steps()                 # one scan of the manifests serves both
+    committed = steps[-1] if steps else 0
     if incident.kind.is_process_fault:
         progressed = committed > state.last_committed_step
         state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
     state.last_committed_step = committed
     history = policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
-                                committed_steps=files.committed_steps(),
+                                committed_steps=steps,
                                 restarts_without_progress=state.restarts_without_progress,
                                 sample_ranges=ledger.sample_ranges)
     action = policy.decide(incident, history, cfg.health, cfg.train)
