@@ -125,6 +125,8 @@ def _add_tools(sub) -> None:
     prep.add_argument("--workers", type=int, default=0, help="tokenizer processes (default: one per core)")
     prep.add_argument("--text-field", default="text", help="field holding the text in .jsonl records")
     prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
+    prep.add_argument("--block-bytes", type=int, default=1 << 20, metavar="N",
+                      help="bytes per CRC32C-checked block (a multiple of 4096; default 1 MiB)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
 
     export = sub.add_parser("export", help="write a checkpoint as Hugging Face LLaMA or mindformers weights")
@@ -362,7 +364,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
     from engine.prepare import prepare
 
     prepare(args.inputs, args.output, tokenizer=args.tokenizer, eos_token=args.eos_token, workers=args.workers,
-            text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite)
+            text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite,
+            block_bytes=args.block_bytes)
     return ExitCode.OK
 
 

@@ -28,11 +28,18 @@ class Kind(str, enum.Enum):
     THROUGHPUT_REGRESSION = "throughput_regression"   # warnings only
     LOSS_STALLED = "loss_stalled"
     CHECKPOINT_FAILING = "checkpoint_failing"         # saves fail (a full or read-only disk): training goes on
+    DATA_CORRUPT = "data_corrupt"          # corpus blocks fail their checksums, found before training on them
 
     @property
     def is_process_fault(self) -> bool:
         """A fault of the processes, not of the numbers: restart from the latest checkpoint."""
         return self in (Kind.CRASH, Kind.HANG, Kind.OOM)
+
+    @property
+    def taints_checkpoints(self) -> bool:
+        """Checkpoints inside or just before it are not healthy: the model trained on what went wrong.
+        Corrupt data is found before any rank trains on it."""
+        return not self.is_process_fault and self is not Kind.DATA_CORRUPT
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +52,7 @@ class Incident:
     exit_code: int | None = None           # crash, oom: the rank's exit status (negative: killed by signal)
     detail: str = ""                       # one line for people
     storm_start_scale: float | None = None  # overflow storm: the scale the storm began at (the policy cuts it)
-    evidence: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # reported, never decided on
+    evidence: Mapping[str, Any] = dataclasses.field(default_factory=dict)   # reported (corrupt data: the blocks)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kind": self.kind.value, "first_step": self.first_step, "last_step": self.last_step,
@@ -87,12 +94,16 @@ class Rollback:
     lr_overrides: tuple[LrOverride, ...]      # the complete list in force after the rollback
     loss_scale: float | None = None           # fp16: restart at this scale ...
     loss_scale_cap_until_step: int | None = None   # ... and grow no higher until this step
+    quarantine: tuple[tuple[str, int], ...] = ()   # corpus (shard file, block) pairs never to read again
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "rollback", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
-                "skip": list(self.skip) if self.skip else None,
-                "lr_overrides": [o.to_dict() for o in self.lr_overrides], "loss_scale": self.loss_scale,
-                "loss_scale_cap_until_step": self.loss_scale_cap_until_step}
+        out = {"type": "rollback", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
+               "skip": list(self.skip) if self.skip else None,
+               "lr_overrides": [o.to_dict() for o in self.lr_overrides], "loss_scale": self.loss_scale,
+               "loss_scale_cap_until_step": self.loss_scale_cap_until_step}
+        if self.quarantine:
+            out["quarantine"] = [list(b) for b in self.quarantine]
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +127,8 @@ def action_from_dict(d: Mapping[str, Any] | None) -> Action | None:
         return Rollback(d["reason"], checkpoint_step=int(d["checkpoint_step"]),
                         skip=tuple(d["skip"]) if d.get("skip") else None,
                         lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides") or ()),
-                        loss_scale=d.get("loss_scale"), loss_scale_cap_until_step=d.get("loss_scale_cap_until_step"))
+                        loss_scale=d.get("loss_scale"), loss_scale_cap_until_step=d.get("loss_scale_cap_until_step"),
+                        quarantine=tuple((str(f), int(b)) for f, b in d.get("quarantine") or ()))
     return Halt(d["reason"], int(d["code"]))
 
 

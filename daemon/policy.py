@@ -11,7 +11,10 @@ DESIGN.md's ladder:
   loss_scale_cut, compounding likewise) with its growth capped for a while; below the scale floor,
   handle it as a non-finite incident of fp32;
 - out of memory: restart with recompute on; if it already is, halve the micro-batch and double
-  accumulation (the global batch stays); with nothing smaller to try, give up (exit 3).
+  accumulation (the global batch stays); with nothing smaller to try, give up (exit 3);
+- corrupt data (corpus blocks failing their checksums, found before training on them): resume
+  from the newest healthy checkpoint before that step with the blocks quarantined (their samples
+  are passed over); beyond `max_quarantined_fraction` of the corpus, give up (exit 65).
 Warnings are recorded, never decided on. Checkpoint health is derived from the incident log, never stamped.
 Also: merging a rollback into the recovery directive in force. No clocks, files or processes here.
 """
@@ -35,11 +38,12 @@ class RunHistory:
     committed_steps: Sequence[int] = ()           # committed checkpoints
     restarts_without_progress: int = 0            # counting the incident being decided
     sample_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # step -> [a, b)
+    quarantined: Sequence[tuple[str, int]] = ()   # corpus blocks quarantined so far
 
 
 def is_healthy(step: int, incidents: Sequence[Incident], margin: int) -> bool:
     """A checkpoint is unhealthy if its step lies inside an incident or within `margin` before its start."""
-    return not any(i.first_step - margin <= step <= i.last_step for i in incidents)
+    return not any(i.first_step - margin <= step <= i.last_step for i in incidents if i.kind.taints_checkpoints)
 
 
 def newest_healthy(committed: Sequence[int], incidents: Sequence[Incident], margin: int,
@@ -65,6 +69,8 @@ def decide(incident: Incident, history: RunHistory, h: HealthConfig, train: Trai
         return Restart(f"{kind.value}: restart from the latest committed checkpoint")
     if kind is Kind.OOM:
         return _smaller(train)
+    if kind is Kind.DATA_CORRUPT:
+        return _quarantine(incident, history, h)
     everything = [*history.incidents, incident]
     target = newest_healthy(history.committed_steps, everything, h.rollback_margin_steps,
                             before_step=incident.first_step - h.rollback_margin_steps)
@@ -93,6 +99,21 @@ def _smaller(train: TrainConfig) -> Action:
                        {"train.micro_batch": micro, "train.grad_accum_steps": accum})
     return Halt(f"out of memory at micro-batch {train.micro_batch} with recompute on: nothing smaller fits",
                 ExitCode.GAVE_UP_CRASH_LOOP)
+
+
+def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig) -> Action:
+    bad = tuple((str(b["file"]), int(b["block"])) for b in incident.evidence.get("blocks", ()))
+    every = sorted({*history.quarantined, *bad})
+    total = int(incident.evidence.get("corpus_blocks") or 0)
+    fraction = len(every) / total if total else 1.0
+    if fraction > h.max_quarantined_fraction:
+        return Halt(f"{len(every)} of {total} corpus blocks fail their checksums ({fraction:.1%} > "
+                    f"health.max_quarantined_fraction = {h.max_quarantined_fraction:g}): the copy or the disk is "
+                    "bad; check it and prepare the corpus again", ExitCode.DATA_ERROR)
+    target = newest_healthy(history.committed_steps, history.incidents, h.rollback_margin_steps,
+                            before_step=incident.first_step)
+    return Rollback(f"corrupt data: quarantine {len(bad)} block(s) ({len(every)} of {total} in all), resume from "
+                    f"step {target}", checkpoint_step=target, skip=None, lr_overrides=(), quarantine=bad)
 
 
 def _cut_lr(kind: Kind, incident: Incident, history: RunHistory, h: HealthConfig, target: int) -> Action:
@@ -124,5 +145,7 @@ def merge_recovery(previous: Recovery | None, rollback: Rollback) -> Recovery:
         cap, until = previous.loss_scale_cap, previous.loss_scale_cap_until_step
     else:
         cap, until = None, 0
+    quarantined = sorted({*(previous.quarantined_blocks if previous else ()), *rollback.quarantine})
     return Recovery(checkpoint_step=rollback.checkpoint_step, skip_ranges=tuple(skips), lr_overrides=lr,
-                    loss_scale=rollback.loss_scale, loss_scale_cap=cap, loss_scale_cap_until_step=until)
+                    loss_scale=rollback.loss_scale, loss_scale_cap=cap, loss_scale_cap_until_step=until,
+                    quarantined_blocks=tuple(quarantined))

@@ -113,6 +113,20 @@ class PhaseEvent(_Event):
     kind: str = "phase"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataFaultEvent(_Event):
+    """A rank read corpus blocks that fail their checksums, before training on them; it exits 65 next."""
+
+    rank: int
+    generation: int
+    step: int                 # the step that would have trained on them
+    corpus: str
+    blocks: list              # [{file, block, offset, expected, actual}], every bad block of that shard
+    corpus_blocks: int = 0    # blocks in the whole corpus (the policy's quarantine limit is a fraction)
+    detail: str = ""
+    kind: str = "data_fault"
+
+
 PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -164,11 +178,13 @@ class Recovery:
     loss_scale: float | None = None                       # fp16: restart the target at this scale
     loss_scale_cap: float | None = None                   # fp16: and grow no higher than this ...
     loss_scale_cap_until_step: int = 0                    # ... before this step
+    quarantined_blocks: tuple[tuple[str, int], ...] = ()  # corpus (shard file, block) pairs never read again
 
     def to_dict(self) -> dict[str, Any]:
         return {"checkpoint_step": self.checkpoint_step, "skip_ranges": [list(r) for r in self.skip_ranges],
                 "lr_overrides": [o.to_dict() for o in self.lr_overrides], "loss_scale": self.loss_scale,
-                "loss_scale_cap": self.loss_scale_cap, "loss_scale_cap_until_step": self.loss_scale_cap_until_step}
+                "loss_scale_cap": self.loss_scale_cap, "loss_scale_cap_until_step": self.loss_scale_cap_until_step,
+                "quarantined_blocks": [list(b) for b in self.quarantined_blocks]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -179,14 +195,16 @@ class Recovery:
                    skip_ranges=tuple((int(a), int(b)) for a, b in d.get("skip_ranges", [])),
                    lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides", [])),
                    loss_scale=d.get("loss_scale"), loss_scale_cap=d.get("loss_scale_cap"),
-                   loss_scale_cap_until_step=int(d.get("loss_scale_cap_until_step") or 0))
+                   loss_scale_cap_until_step=int(d.get("loss_scale_cap_until_step") or 0),
+                   quarantined_blocks=tuple((str(f), int(b)) for f, b in d.get("quarantined_blocks", [])))
 
     @classmethod
     def from_json(cls, text: str) -> "Recovery":
         return cls.from_dict(json.loads(text))
 
 
-EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent}
+EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent,
+               "data_fault": DataFaultEvent}
 
 
 # Worker ⇄ supervisor plumbing: environment variables the supervisor sets for every rank.

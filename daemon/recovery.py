@@ -22,7 +22,7 @@ from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
 from engine.config import Config, HealthConfig, with_changes
 
-_ROLLBACK_FIELDS = ("skip", "lr_overrides", "loss_scale", "loss_scale_cap_until_step")
+_ROLLBACK_FIELDS = ("skip", "lr_overrides", "loss_scale", "loss_scale_cap_until_step", "quarantine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +45,8 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     history = policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
                                 committed_steps=steps,
                                 restarts_without_progress=state.restarts_without_progress,
-                                sample_ranges=ledger.sample_ranges)
+                                sample_ranges=ledger.sample_ranges,
+                                quarantined=state.recovery.quarantined_blocks if state.recovery else ())
     action = policy.decide(incident, history, cfg.health, cfg.train)
     state.status = "gave_up" if isinstance(action, Halt) else "restarting"
     if isinstance(action, Restart):
@@ -83,7 +84,8 @@ def give_up(decision: Decision, ledger: Ledger) -> int:
     ledger.emit("gave_up", level="error", code=int(code), reason=decision.action.reason,
                 restarts_without_progress=state.restarts_without_progress,
                 committed_step=decision.record.committed_step, last_incident=decision.record.log_fields())
-    return ledger.exit(code, "gave_up", "crash_loop" if code == ExitCode.GAVE_UP_CRASH_LOOP else "numerics", "error")
+    cause = {ExitCode.GAVE_UP_CRASH_LOOP: "crash_loop", ExitCode.DATA_ERROR: "data"}.get(code, "numerics")
+    return ledger.exit(code, "gave_up", cause, "error")
 
 
 def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> None:

@@ -24,7 +24,7 @@ from daemon import hang
 from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
-from daemon.protocol import CheckpointEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
+from daemon.protocol import CheckpointEvent, DataFaultEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
 from engine.config import Config
 
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
@@ -197,7 +197,7 @@ class Watch:
         self.pause = to
 
     # Inputs ---------------------------------------------------------------------------------
-    def on_event(self, ev: StepEvent | PhaseEvent | CheckpointEvent | ExitEvent, now: float) -> None:
+    def on_event(self, ev: StepEvent | PhaseEvent | CheckpointEvent | ExitEvent | DataFaultEvent, now: float) -> None:
         p = self.progress.get(ev.rank)
         if p is None or ev.generation != self.generation:
             return                                   # another generation's late datagram
@@ -217,6 +217,18 @@ class Watch:
             self._checkpoint(ev)
         elif isinstance(ev, ExitEvent):
             self._exit_reasons[ev.rank] = (ev.reason, ev.step)
+        elif isinstance(ev, DataFaultEvent) and self._incident is None:
+            self._data_fault(ev)
+
+    def _data_fault(self, ev: DataFaultEvent) -> None:
+        first = ev.blocks[0] if ev.blocks else {}
+        evidence = {"corpus": ev.corpus, "blocks": list(ev.blocks), "corpus_blocks": ev.corpus_blocks}
+        self._do(Note("incident_detected", "error", {"kind": Kind.DATA_CORRUPT.value, "step": ev.step,
+                                                     "rank": ev.rank, "evidence": evidence}))
+        self._incident = Incident(kind=Kind.DATA_CORRUPT, first_step=ev.step, last_step=ev.step, rank=ev.rank,
+                                  detail=f"rank {ev.rank}: shard {first.get('file')} block {first.get('block')} "
+                                         f"fails its CRC32C check ({len(ev.blocks)} bad block(s) in that shard)",
+                                  evidence=evidence)
 
     def _maybe_paused(self, step: int, now: float) -> None:
         if self.pause is Pause.PAUSING and all(q.phase == "paused" for q in self.progress.values()):

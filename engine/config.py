@@ -103,7 +103,7 @@ class DataConfig:
                                    # seeded Markov chain (learnable, no files; for tests)
     path: str = ""                 # prepared corpus directory; "" = the embedded corpus (this Python's standard
                                    # library, byte-level), prepared on first use into the cache directory
-    verify_checksums: bool = True  # check every shard's sha256 when a run opens the corpus
+    verify_checksums: bool = True  # corpus v2: each block's CRC32C when first read in an epoch; v1: sha256 at open
     seq_len: int = 64              # tokens per training sequence (each sample holds seq_len + 1)
     seed: int = 1234               # data order (and the synthetic chain)
     synthetic_successors: int = 4  # synthetic: distinct next tokens each token can have
@@ -243,6 +243,7 @@ class HealthConfig:
     hang_compile_timeout_s: float = 900.0  # for the first step (graph compilation)
     hang_checkpoint_timeout_s: float = 600.0  # for the final save's commit
     max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint: exit 3
+    max_quarantined_fraction: float = 0.05  # corrupt corpus blocks are quarantined up to this fraction; beyond: exit 65
     restart_backoff_initial_s: float = 1.0  # first restart delay; doubles per consecutive failure, with jitter
     restart_backoff_max_s: float = 60.0     # cap on the restart delay
 
@@ -269,6 +270,7 @@ class HealthConfig:
         for key in ("lr_cut_factor", "loss_scale_cut"):
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0, open_low=True)
         _in_range("health.lr_floor_factor", self.lr_floor_factor, 0.0, 1.0, open_low=True)
+        _in_range("health.max_quarantined_fraction", self.max_quarantined_fraction, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

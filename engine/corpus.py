@@ -2,14 +2,17 @@
 
 Owns: the format —
 
-    DIR/manifest.json          format, version, tokenizer, dtype, documents, tokens,
-                               shards [{file, tokens, sha256}], inputs summary
+    DIR/manifest.json          format, version, tokenizer, dtype, documents, tokens, block_bytes,
+                               shards [{file, tokens, sha256, crc32c: [per block]}], inputs summary
     DIR/tokens-00000.bin       raw little-endian uint16 (vocabulary <= 65536) or uint32
 
 documents concatenated, each followed by the tokenizer's end-of-document id —
 and reading it as one memory-mapped token stream. A corpus directory is
 complete once it exists under its final name: it is written as
-`DIR.tmp-<pid>/`, fsynced, then renamed. No MindSpore here.
+`DIR.tmp-<pid>/`, fsynced, then renamed. Version 2 adds a CRC32C per block
+(engine.corpus_blocks), checked as training first reads each block in an
+epoch; version 1 corpora (sha256 per shard, checked whole at open) still read.
+No MindSpore here.
 """
 from __future__ import annotations
 
@@ -24,9 +27,11 @@ import numpy as np
 
 from durable import fsync_path, sha256_file
 from engine.config import DataError
+from engine.corpus_blocks import DEFAULT_BLOCK_BYTES, BlockVerifier, RunningBlocks, check_block_bytes
 
 FORMAT = "llm-pretrain-corpus"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
 MANIFEST = "manifest.json"
 
 
@@ -55,7 +60,9 @@ def remove_stale_temporaries(out: Path) -> None:
 class CorpusWriter:
     """Streams documents' tokens into shards under a temporary name; `commit` makes the corpus visible."""
 
-    def __init__(self, out: str | Path, *, tokenizer: dict[str, Any], shard_tokens: int, overwrite: bool = False):
+    def __init__(self, out: str | Path, *, tokenizer: dict[str, Any], shard_tokens: int, overwrite: bool = False,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES):
+        self.block_bytes = check_block_bytes(block_bytes)
         self.out = Path(out)
         if self.out.exists() and not overwrite and any(self.out.iterdir() if self.out.is_dir() else [True]):
             raise DataError(f"output {str(self.out)!r} already exists; choose another directory or pass --overwrite")
@@ -71,14 +78,16 @@ class CorpusWriter:
         self.tokens = 0
         self._file = None
         self._digest = None
+        self._blocks: RunningBlocks | None = None
         self._in_shard = 0
 
     def _open_shard(self) -> None:
         name = f"tokens-{len(self.shards):05d}.bin"
         self._file = open(self.tmp / name, "wb")
         self._digest = hashlib.sha256()
+        self._blocks = RunningBlocks(self.block_bytes)
         self._in_shard = 0
-        self.shards.append({"file": name, "tokens": 0, "sha256": ""})
+        self.shards.append({"file": name, "tokens": 0, "sha256": "", "crc32c": []})
 
     def _close_shard(self) -> None:
         if self._file is None:
@@ -86,7 +95,7 @@ class CorpusWriter:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        self.shards[-1].update(tokens=self._in_shard, sha256=self._digest.hexdigest())
+        self.shards[-1].update(tokens=self._in_shard, sha256=self._digest.hexdigest(), crc32c=self._blocks.finish())
         self._file = None
 
     def add_document(self, tokens: np.ndarray) -> None:
@@ -101,6 +110,7 @@ class CorpusWriter:
             blob = part.tobytes()
             self._file.write(blob)
             self._digest.update(blob)
+            self._blocks.update(blob)
             self._in_shard += part.size
             self.tokens += part.size
             data = data[part.size:]
@@ -117,7 +127,8 @@ class CorpusWriter:
             self.abort()
             raise DataError("the inputs hold no text: nothing to write")
         manifest = {"format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer, "dtype": self.dtype.name,
-                    "documents": self.documents, "tokens": self.tokens, "shards": self.shards, "inputs": inputs}
+                    "documents": self.documents, "tokens": self.tokens, "block_bytes": self.block_bytes,
+                    "shards": self.shards, "inputs": inputs}
         path = self.tmp / MANIFEST
         path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         fsync_path(path)
@@ -152,9 +163,9 @@ class Corpus:
             raise DataError(f"{str(manifest_path)!r} is not valid JSON: {e}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise DataError(f"{str(manifest_path)!r} is not an llm-pretrain corpus manifest")
-        if manifest.get("version") != VERSION:
+        if manifest.get("version") not in READS:
             raise DataError(f"{str(manifest_path)!r} has format version {manifest.get('version')!r}; "
-                            f"this build reads version {VERSION}")
+                            f"this build reads versions {', '.join(map(str, READS))}")
         self.manifest = manifest
         self.dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self.tokenizer = manifest["tokenizer"]
@@ -170,13 +181,21 @@ class Corpus:
             if size != expected:
                 raise DataError(f"shard {str(file)!r} is {size} bytes but the manifest says {expected} "
                                 "(truncated or altered); prepare the corpus again")
-            if verify_checksums and sha256_file(file) != shard["sha256"]:
+            blocks = "crc32c" in shard
+            if verify_checksums and not blocks and sha256_file(file) != shard["sha256"]:
                 raise DataError(f"shard {str(file)!r} fails its sha256 check (altered or corrupt); "
                                 "prepare the corpus again")
             self._maps.append(np.memmap(file, dtype=self.dtype, mode="r", shape=(shard["tokens"],)))
             offsets.append(offsets[-1] + shard["tokens"])
         self._offsets = np.asarray(offsets, dtype=np.int64)
         self.num_tokens = int(offsets[-1])
+        # version 2: blocks are checked as they are first read each epoch (CorpusSource calls verify)
+        self.verifier: BlockVerifier | None = None
+        if manifest.get("block_bytes"):
+            self.verifier = BlockVerifier(str(self.path), [s["file"] for s in manifest["shards"]], self._maps,
+                                          self._offsets, [s["crc32c"] for s in manifest["shards"]],
+                                          int(manifest["block_bytes"]), self.dtype.itemsize)
+        self.verify_blocks = verify_checksums and self.verifier is not None
 
     @property
     def vocab_size(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -73,8 +73,29 @@ def merge_ranges(ranges: Iterable[Sequence[int]]) -> list[tuple[int, int]]:
     return merged
 
 
-def take(cursor: int, count: int, skips: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
-    """The next `count` global indices from `cursor` outside the (merged) skip ranges, and the new cursor."""
+def take(cursor: int, count: int, skips: Sequence[tuple[int, int]],
+         excluded: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[np.ndarray, int]:
+    """The next `count` global indices from `cursor` outside the (merged) skip ranges and, when given,
+    not `excluded` (a boolean mask per index: samples overlapping a quarantined block), and the new cursor."""
+    if excluded is None:
+        return _take(cursor, count, skips)
+    parts, need, g, scanned = [], count, cursor, 0
+    while need:
+        candidates, g = _take(g, need, skips)
+        kept = candidates[~excluded(candidates)]
+        parts.append(kept)
+        need -= kept.size
+        scanned = 0 if kept.size else scanned + candidates.size
+        if scanned > MAX_EXCLUDED_RUN:
+            raise DataError(f"no sample from index {cursor} on is usable: {scanned} in a row overlap "
+                            "quarantined corpus blocks")
+    return np.concatenate(parts), g
+
+
+MAX_EXCLUDED_RUN = 1 << 24
+
+
+def _take(cursor: int, count: int, skips: Sequence[tuple[int, int]]) -> tuple[np.ndarray, int]:
     parts, need, g = [], count, cursor
     for a, b in skips:
         if b <= g:
@@ -105,8 +126,9 @@ class StepSamples:
         return int(self.indices[0]), int(self.indices[-1]) + 1
 
 
-def step_samples(cursor: int, *, global_batch: int, skips: Sequence[tuple[int, int]] = ()) -> StepSamples:
-    indices, after = take(cursor, global_batch, skips)
+def step_samples(cursor: int, *, global_batch: int, skips: Sequence[tuple[int, int]] = (),
+                 excluded: Callable[[np.ndarray], np.ndarray] | None = None) -> StepSamples:
+    indices, after = take(cursor, global_batch, skips, excluded)
     return StepSamples(indices=indices, cursor_after=after)
 
 
@@ -117,10 +139,15 @@ def rank_slice(indices: np.ndarray, rank: int, *, dp: int, grad_accum_steps: int
 
 
 class CorpusSource:
-    """Training sequences from a prepared corpus, in the (seed, epoch) order."""
+    """Training sequences from a prepared corpus, in the (seed, epoch) order. With block checksums
+    (corpus v2), each block is verified when a batch first reads it in an epoch (CorruptBlockError
+    names it), and samples overlapping a quarantined block are passed over (`excluded`)."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, seed: int):
         self.corpus, self.seq_len, self.seed = corpus, seq_len, seed
+        self.quarantined: list[tuple[str, int]] = []          # (shard file, block), from the recovery directive
+        self._bad_tokens = np.zeros((0, 2), dtype=np.int64)  # their token ranges in the stream
+        self._epoch = -1
         self.samples_per_epoch = (corpus.num_tokens - 1) // seq_len
         if self.samples_per_epoch < 1:
             raise DataError(f"corpus {str(corpus.path)!r} has {corpus.num_tokens} tokens, fewer than one "
@@ -136,10 +163,43 @@ class CorpusSource:
             out[sel] = permute(positions[sel], self.samples_per_epoch, seed=self.seed, epoch=int(epoch))
         return out * self.seq_len
 
-    def batch(self, indices: np.ndarray) -> np.ndarray:
-        """int32 indices.shape + (seq_len + 1,)."""
+    def quarantine(self, blocks: Iterable[Sequence]) -> None:
+        """Never train again on samples that touch these (shard file, block) pairs."""
+        verifier = self.corpus.verifier
+        merged = sorted({*self.quarantined, *((str(f), int(b)) for f, b in blocks)})
+        if merged and verifier is None:
+            raise DataError(f"corpus {str(self.corpus.path)!r} has no block checksums (format version 1), "
+                            "so blocks cannot be quarantined; prepare it again")
+        self.quarantined = merged
+        ranges = [verifier.token_range(f, b) for f, b in merged] if merged else []
+        self._bad_tokens = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+
+    @property
+    def excluded(self) -> Callable[[np.ndarray], np.ndarray] | None:
+        """The mask of samples overlapping a quarantined block (None: nothing is quarantined)."""
+        if not self.quarantined:
+            return None
         width = self.seq_len + 1
-        rows = [self.corpus.tokens(int(s), int(s) + width) for s in self.starts(indices)]
+
+        def mask(indices: np.ndarray) -> np.ndarray:
+            starts = self.starts(indices)[:, None]
+            lo, hi = self._bad_tokens[:, 0][None, :], self._bad_tokens[:, 1][None, :]
+            return ((starts < hi) & (starts + width > lo)).any(axis=1)
+        return mask
+
+    def batch(self, indices: np.ndarray) -> np.ndarray:
+        """int32 indices.shape + (seq_len + 1,); raises CorruptBlockError when a block it reads fails."""
+        width = self.seq_len + 1
+        starts = self.starts(indices)
+        verifier = self.corpus.verifier if self.corpus.verify_blocks else None
+        if verifier is not None:
+            epoch = int(np.max(indices)) // self.samples_per_epoch
+            if epoch != self._epoch:
+                self._epoch = epoch
+                verifier.new_epoch()
+            for s in starts:
+                verifier.verify(int(s), int(s) + width)
+        rows = [self.corpus.tokens(int(s), int(s) + width) for s in starts]
         return np.stack(rows).astype(np.int32).reshape(*np.shape(indices), width)
 
 
@@ -152,6 +212,12 @@ class SyntheticSource:
     """
 
     samples_per_epoch = 1 << 62
+    excluded = None                         # no files, no blocks to quarantine
+    quarantined: tuple = ()
+
+    def quarantine(self, blocks: Iterable[Sequence]) -> None:
+        if list(blocks):
+            raise DataError("data.source = \"synthetic\" has no corpus blocks to quarantine")
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, successors: int):
         rng = np.random.default_rng([seed, 0x5EED])

@@ -4,7 +4,9 @@ Owns: the iterator that turns (source, cursor, skip ranges, rank layout) into
 one (grad_accum_steps, micro_batch, seq_len + 1) int32 batch per step, with
 the step's sample range and the cursor after it. The plan itself is
 engine.data's (pure); this module only runs it in MindSpore's pipeline so
-batches are ready before the step asks for them.
+batches are ready before the step asks for them. A corrupt block found while a
+batch is prepared ahead is raised when the step that would train on it asks
+for it (MindSpore's pipeline would wrap the error into a RuntimeError).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import mindspore.dataset as msds
 import numpy as np
 
 from engine import data
+from engine.config import DataError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,15 +36,23 @@ class _RankBatches:
         self.source, self.cursor, self.steps = source, cursor, steps
         self.rank, self.dp, self.global_batch, self.accum = rank, dp, global_batch, grad_accum_steps
         self.skips = data.merge_ranges(skips)
+        self.error: DataError | None = None      # set, with a flagged empty batch, when a batch fails
 
     def __iter__(self):
         cursor = self.cursor
         for _ in range(self.steps):
-            samples = data.step_samples(cursor, global_batch=self.global_batch, skips=self.skips)
-            mine = data.rank_slice(samples.indices, self.rank, dp=self.dp, grad_accum_steps=self.accum)
+            try:
+                samples = data.step_samples(cursor, global_batch=self.global_batch, skips=self.skips,
+                                            excluded=self.source.excluded)
+                mine = data.rank_slice(samples.indices, self.rank, dp=self.dp, grad_accum_steps=self.accum)
+                batch = self.source.batch(mine)
+            except DataError as e:
+                self.error = e
+                yield np.zeros((1, 1, 1), dtype=np.int32), np.array([0, 0, 0, 1], dtype=np.int64)
+                return
             start, end = samples.sample_range
             cursor = samples.cursor_after
-            yield self.source.batch(mine), np.array([start, end, cursor], dtype=np.int64)
+            yield batch, np.array([start, end, cursor, 0], dtype=np.int64)
 
 
 def feed(source, *, cursor: int, steps: int, rank: int, dp: int, global_batch: int, grad_accum_steps: int,
@@ -55,5 +66,7 @@ def feed(source, *, cursor: int, steps: int, rank: int, dp: int, global_batch: i
     dataset = msds.GeneratorDataset(plan, column_names=["tokens", "position"], shuffle=False,
                                     num_parallel_workers=1, python_multiprocessing=False)
     for tokens, position in dataset.create_tuple_iterator(num_epochs=1, output_numpy=True, do_copy=False):
+        if position[3]:
+            raise plan.error
         yield FedStep(batch=tokens, sample_start=int(position[0]), sample_end=int(position[1]),
                       cursor_after=int(position[2]))

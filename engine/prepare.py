@@ -21,7 +21,8 @@ from typing import Any, Iterable, Sequence, TextIO
 import numpy as np
 
 from engine.config import DataError
-from engine.corpus import CorpusWriter
+from engine.corpus import VERSION, CorpusWriter
+from engine.corpus_blocks import DEFAULT_BLOCK_BYTES, check_block_bytes
 from engine.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 STDLIB = "@stdlib"
@@ -171,13 +172,15 @@ class Progress:
 
 def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte", eos_token: str | None = None,
             workers: int = 0, text_field: str = "text", shard_tokens: int = 1 << 27, overwrite: bool = False,
-            log: TextIO = sys.stderr) -> dict[str, Any]:
+            block_bytes: int = DEFAULT_BLOCK_BYTES, log: TextIO = sys.stderr) -> dict[str, Any]:
     """Prepares a corpus; returns its manifest. Raises DataError on bad input, leaving nothing behind."""
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens = {shard_tokens} must be >= 1")
+    check_block_bytes(block_bytes)
     files = find_inputs(inputs)
     tok = load_tokenizer(tokenizer, eos_token)   # fail fast, in this process, on a bad tokenizer
-    writer = CorpusWriter(output, tokenizer=tok.describe(), shard_tokens=shard_tokens, overwrite=overwrite)
+    writer = CorpusWriter(output, tokenizer=tok.describe(), shard_tokens=shard_tokens, overwrite=overwrite,
+                          block_bytes=block_bytes)
     workers = workers or min(len(files), os.cpu_count() or 1)
     progress = Progress(len(files), log)
     replaced: dict[str, int] = {}
@@ -219,7 +222,7 @@ def default_corpus_dir(env=os.environ) -> Path:
     """Where the embedded stdlib corpus is prepared on first use: systemd's cache, XDG's, or ~/.cache."""
     base = env.get("CACHE_DIRECTORY") or env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    return Path(base.split(":")[0]) / "llm-pretrain" / f"corpus-stdlib-{version}-byte"
+    return Path(base.split(":")[0]) / "llm-pretrain" / f"corpus-stdlib-{version}-byte-v{VERSION}"
 
 
 def ensure_default_corpus(log: TextIO = sys.stderr) -> Path:

@@ -18,10 +18,11 @@ from typing import Any, Iterator, Sequence, TextIO
 
 import numpy as np
 
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, ExitEvent, PhaseEvent,
-                             Recovery, StepEvent)
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, DataFaultEvent, ExitEvent,
+                             PhaseEvent, Recovery, StepEvent)
 from engine import data, runtime, schedule
 from engine.config import Config
+from engine.corpus_blocks import CorruptBlockError
 from engine.commands import CommandReader
 from engine.drills import Drills
 from engine.events import EventSink
@@ -70,13 +71,20 @@ class Trainer:
         return {"step": self.step, "data_cursor": self.cursor,
                 "data_epoch": self.cursor // self.source.samples_per_epoch,
                 "skip_ranges": [list(r) for r in self.skips],
-                "lr_overrides": [o.to_dict() for o in self.overrides]}
+                "lr_overrides": [o.to_dict() for o in self.overrides],
+                "quarantined_blocks": [list(b) for b in self.source.quarantined]}
 
     def load_run_state(self, state: dict[str, Any]) -> None:
         """The inverse of run_state (data_epoch follows from the cursor); extra keys are ignored."""
         self.step, self.cursor = int(state["step"]), int(state["data_cursor"])
         self.set_skips([(int(a), int(b)) for a, b in state["skip_ranges"]])   # also drops the feed at the old cursor
         self.overrides = [schedule.LrOverride.from_dict(o) for o in state["lr_overrides"]]
+        self.quarantine(state.get("quarantined_blocks", []))
+
+    def quarantine(self, blocks: Sequence[Sequence]) -> None:
+        """Corpus blocks never to read again (their samples are passed over in the data order)."""
+        self.source.quarantine(blocks)
+        self._fed = None
 
     def train_step(self, *, poison: float = 1.0, control: np.ndarray | None = None,
                    corrupt: bool = False) -> StepEvent:
@@ -118,6 +126,7 @@ class Trainer:
         from engine import loss_scale
 
         self.set_skips([*self.skips, *recovery.skip_ranges])
+        self.quarantine(recovery.quarantined_blocks)
         self.overrides = list(recovery.lr_overrides)
         plan = loss_scale.after_recovery(recovery, restored_step=restored_step, step=self.step)
         return self.step_fn.scaler.follow(plan)
@@ -203,7 +212,14 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         commands.poll()
         control = np.concatenate([[int(stop.requested)], commands.encode(applied)]).astype(np.int32)
         poison, corrupt = drills.before_step(trainer.step + 1)
-        event = trainer.train_step(control=control, poison=poison, corrupt=corrupt)
+        try:
+            event = trainer.train_step(control=control, poison=poison, corrupt=corrupt)
+        except CorruptBlockError as e:
+            # before any rank trained on it: the supervisor quarantines the blocks and restarts
+            sink.emit(DataFaultEvent(rank=rank_info.rank, generation=generation, step=trainer.step + 1,
+                                     corpus=e.path, blocks=[b.to_dict() for b in e.bad], detail=str(e),
+                                     corpus_blocks=e.corpus_blocks))
+            raise
         agreed = np.asarray(trainer.agreed_control)
         # every step to the supervisor (its health detectors), every log interval to the rank's log
         sink.emit(event, log=event.step % every == 0 or event.step == last)

@@ -1,4 +1,5 @@
 """The input pipeline through mindspore.dataset: resumable, rank-sharded, skipping exactly."""
+import json
 import subprocess
 
 import numpy as np
@@ -61,20 +62,25 @@ def _corrupt(corpus_dir, tmp_path):
     copy = tmp_path / "corpus"
     shutil.copytree(corpus_dir, copy)
     shard = copy / "tokens-00000.bin"
-    with open(shard, "r+b") as f:
-        f.seek(1000)
-        byte = f.read(1)
-        f.seek(1000)
-        f.write(bytes([byte[0] ^ 0x01]))
+    with open(shard, "r+b") as f:               # one bit of every 1 MiB block: the first batch reads one
+        for offset in range(1000, shard.stat().st_size, 1 << 20):
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0x01]))
     return copy
 
 
-def test_train_refuses_a_tampered_corpus_with_exit_65(cli, quiet_env, stdlib_corpus, tmp_path):
+def test_train_stops_at_the_first_batch_that_reads_a_tampered_block_with_exit_65(cli, quiet_env, stdlib_corpus,
+                                                                                 tmp_path):
     bad = _corrupt(stdlib_corpus, tmp_path)
     proc = subprocess.run([*cli, "train", "--set", f'data.path="{bad}"', "--set", "train.steps=2"],
                           capture_output=True, text=True, env=quiet_env, timeout=300, cwd=tmp_path)
     assert proc.returncode == 65, proc.stderr[-2000:]
-    assert "tokens-00000.bin" in proc.stderr and "sha256" in proc.stderr and "Traceback" not in proc.stderr
+    assert "shard tokens-00000.bin block" in proc.stderr and "CRC32C" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    fault = [json.loads(l) for l in proc.stdout.splitlines() if '"kind": "data_fault"' in l]
+    assert fault and fault[0]["step"] == 1 and len(fault[0]["blocks"]) == fault[0]["corpus_blocks"]
 
 
 def test_train_refuses_a_sequence_longer_than_the_corpus(cli, quiet_env, tmp_path):

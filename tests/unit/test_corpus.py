@@ -73,8 +73,16 @@ def test_truncated_shard_is_named(tmp_path):
         Corpus(out)
 
 
-def test_tampered_shard_fails_its_checksum(tmp_path):
+def test_tampered_shard_of_a_version_1_corpus_fails_its_sha256_at_open(tmp_path):
+    import json
+
     out = _write(tmp_path / "c", DOCS)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["version"] = 1
+    del manifest["block_bytes"]
+    for shard in manifest["shards"]:
+        del shard["crc32c"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
     shard = out / "tokens-00002.bin"
     data = bytearray(shard.read_bytes())
     data[0] ^= 0xFF

@@ -126,3 +126,39 @@ def test_checkpoint_health_is_derived_from_the_incident_log(step, healthy):
 def test_newest_healthy_is_what_retention_protects():
     assert newest_healthy(CKPTS, [spike(245, 260)], 10) == 200
     assert newest_healthy(CKPTS, [], 10, before_step=100) == 50
+
+
+def corrupt(step, blocks, total=1000):
+    return Incident(kind=Kind.DATA_CORRUPT, first_step=step, last_step=step, rank=1,
+                    evidence={"blocks": [{"file": f, "block": b} for f, b in blocks], "corpus_blocks": total})
+
+
+def test_corrupt_data_resumes_from_the_newest_checkpoint_with_the_blocks_quarantined():
+    action = decide(corrupt(205, [("tokens-00001.bin", 3), ("tokens-00001.bin", 4)]),
+                    RunHistory(committed_steps=CKPTS, sample_ranges=RANGES), CFG)
+    assert isinstance(action, Rollback)
+    assert action.checkpoint_step == 200            # nothing trained on it: no margin, no skip, no lr cut
+    assert action.skip is None and action.lr_overrides == ()
+    assert action.quarantine == (("tokens-00001.bin", 3), ("tokens-00001.bin", 4))
+    assert is_healthy(200, [corrupt(205, [("x", 1)])], margin=10)      # it taints no checkpoint
+
+
+def test_quarantine_accumulates_in_the_directive_and_the_lr_in_force_stays():
+    from daemon.protocol import LrOverride, Recovery
+
+    cut = (LrOverride(start_step=51, factor=0.5, hold_steps=200, ramp_steps=200),)
+    before = Recovery(checkpoint_step=50, skip_ranges=((8, 16),), lr_overrides=cut, quarantined_blocks=(("a", 1),))
+    action = decide(corrupt(205, [("b", 2)]), RunHistory(committed_steps=CKPTS, quarantined=(("a", 1),)), CFG)
+    after = policy.merge_recovery(before, action)
+    assert after.quarantined_blocks == (("a", 1), ("b", 2)) and after.lr_overrides == cut
+    assert after.skip_ranges == ((8, 16),) and after.checkpoint_step == 200
+    assert Recovery.from_json(after.to_json()) == after
+
+
+def test_too_much_corrupt_data_gives_up_with_65():
+    earlier = tuple(("tokens-00000.bin", b) for b in range(45))
+    ok = decide(corrupt(205, [("tokens-00001.bin", 0)] * 1), RunHistory(committed_steps=CKPTS, quarantined=earlier), CFG)
+    assert isinstance(ok, Rollback)                                      # 46 of 1000: within 5 %
+    many = [("tokens-00001.bin", b) for b in range(10)]
+    action = decide(corrupt(205, many), RunHistory(committed_steps=CKPTS, quarantined=earlier), CFG)
+    assert isinstance(action, Halt) and action.code == 65 and "55 of 1000" in action.reason

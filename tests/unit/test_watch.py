@@ -293,3 +293,19 @@ def test_teardown_grace_depends_on_how_the_generation_ended(kind, grace):
 
     assert watch.teardown_grace_s(Failed(Incident(kind=kind, first_step=1, last_step=1)), 10.0) == grace
     assert watch.teardown_grace_s(Finished(5), 10.0) == 10.0
+
+
+def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exits_65():
+    from daemon.protocol import DataFaultEvent
+
+    w = make()
+    t = steps(w, 1, 20, 1.0)
+    bad = [{"file": "tokens-00003.bin", "block": 7, "offset": 7 << 20, "expected": 1, "actual": 2}]
+    w.on_event(DataFaultEvent(rank=1, generation=1, step=21, corpus="/c", blocks=bad, corpus_blocks=400), t)
+    w.on_exit(1, 65, t)                        # DataError: final on its own, but the event explains it
+    out = w.tick(t)
+    assert isinstance(out, Failed) and out.incident.kind is Kind.DATA_CORRUPT
+    assert (out.incident.rank, out.incident.first_step) == (1, 21)
+    assert "tokens-00003.bin block 7" in out.incident.detail
+    assert out.incident.evidence["blocks"] == bad and out.incident.evidence["corpus_blocks"] == 400
+    assert watch.teardown_grace_s(out, kill_grace_s=30) == 0.0    # nothing of the ranks' state is kept

@@ -1,0 +1,81 @@
+"""A corpus shard overwritten in place while two real ranks train on it (issue 13, item 6b): the
+block checksums catch it at the step that first reads a zeroed block, before any rank trains on
+it; the daemon quarantines the shard's blocks, resumes from the newest checkpoint and finishes."""
+import json
+import os
+import subprocess
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from daemon.state import RunState
+from engine.prepare import prepare
+from tests.e2e.cluster import daemon_events, wait_for
+
+BLOCK = 4096
+
+
+@pytest.fixture(scope="module")
+def small_block_corpus(tmp_path_factory) -> Path:
+    """~1.3 M tokens of the stdlib's email and asyncio packages: shards of 20 000 tokens (10 blocks
+    of 4 KiB each, under 3 % of the corpus), so quarantining a whole shard stays within the limit."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus") / "small-blocks"
+    prepare([str(stdlib / "email"), str(stdlib / "asyncio")], out, shard_tokens=20_000, block_bytes=BLOCK,
+            log=open(os.devnull, "w"))
+    return out
+
+
+def _rank_steps(run: Path) -> list[dict]:
+    path = run / "logs" / "rank-0.log"
+    if not path.exists():
+        return []
+    return [json.loads(l) for l in path.read_text().splitlines() if l.startswith('{"data_wait_s"')]
+
+
+def test_a_shard_zeroed_while_training_is_caught_quarantined_and_training_finishes(cli, quiet_env, tmp_path,
+                                                                                  small_block_corpus):
+    corpus = tmp_path / "corpus"
+    subprocess.run(["cp", "-r", str(small_block_corpus), str(corpus)], check=True)
+    run = tmp_path / "run"
+    sets = [f'data.path="{corpus}"', "train.steps=60", "checkpoint.interval_steps=10", "parallel.dp=2",
+            "train.micro_batch=4", f'run.dir="{run}"', "health.restart_backoff_initial_s=0.2"]
+    proc = subprocess.Popen([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=tmp_path, env=quiet_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(_rank_steps(run)) >= 12, what="step 12")
+        # the shard a reader is about to need: every block of it zeroed, in place, at the same size
+        victim = "tokens-00030.bin"
+        size = (corpus / victim).stat().st_size
+        with open(corpus / victim, "r+b") as f:
+            f.write(bytes(size))
+            f.flush()
+            os.fsync(f.fileno())
+        zeroed_after = max(e["step"] for e in _rank_steps(run))
+        out, err = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    events = daemon_events(run)
+    found = [e for e in events if e["event"] == "incident" and e["kind"] == "data_corrupt"]
+    assert len(found) == 1, [e["event"] for e in events]
+    incident = found[0]
+    blocks = incident["evidence"]["blocks"]
+    assert {b["file"] for b in blocks} == {victim}
+    assert sorted(b["block"] for b in blocks) == list(range(-(-size // BLOCK)))      # the whole shard, at once
+    assert incident["first_step"] > zeroed_after - 1 >= 11
+    action = incident["action"]
+    assert action["type"] == "rollback" and action["checkpoint_step"] == (incident["first_step"] - 1) // 10 * 10
+    assert sorted(map(tuple, action["quarantine"])) == [(victim, b) for b in range(-(-size // BLOCK))]
+    # the decision is in state.json and carried by the last checkpoint; nothing else was lost
+    state = RunState.load(run)
+    assert state.status == "finished" and sorted(state.recovery.quarantined_blocks) == sorted(map(tuple, action["quarantine"]))
+    latest = sorted((run / "checkpoints").glob("step-*"))[-1]
+    run_state = json.loads((latest / "manifest.json").read_text())["run_state"]
+    assert run_state["step"] == 60 and len(run_state["quarantined_blocks"]) == len(blocks)
+    resumed = [e for e in events if e["event"] == "generation_start"][-1]
+    assert resumed["resume_step"] == action["checkpoint_step"]
+    steps = [e for e in _rank_steps(run) if e["generation"] == resumed["generation"]]
+    assert steps[0]["step"] == action["checkpoint_step"] + 1 and steps[-1]["step"] == 60
