@@ -28,12 +28,13 @@ class Kind(str, enum.Enum):
     THROUGHPUT_REGRESSION = "throughput_regression"   # warnings only
     LOSS_STALLED = "loss_stalled"
     CHECKPOINT_FAILING = "checkpoint_failing"         # saves fail (a full or read-only disk): training goes on
+    STRAGGLER = "straggler"                # a rank the others wait for (a warning; acted on when configured)
     DATA_CORRUPT = "data_corrupt"          # corpus blocks fail their checksums, found before training on them
 
     @property
     def is_process_fault(self) -> bool:
         """A fault of the processes, not of the numbers: restart from the latest checkpoint."""
-        return self in (Kind.CRASH, Kind.HANG, Kind.OOM)
+        return self in (Kind.CRASH, Kind.HANG, Kind.OOM, Kind.STRAGGLER)
 
     @property
     def taints_checkpoints(self) -> bool:

@@ -1,7 +1,7 @@
 """The recovery policy: a pure function from (incident, run history, config) to an action.
 
 DESIGN.md's ladder:
-- crash, hang: restart from the latest committed checkpoint; after
+- crash, hang, a straggler set to act on: restart from the latest committed checkpoint; after
   `max_restarts_without_progress` restarts without a new checkpoint, give up (exit 3);
 - loss spike or collapse (and grad-norm spike when set to act), non-finite in fp32/bf16: roll back to the
   newest healthy checkpoint before the incident began, skip the sample window the incident's
@@ -62,11 +62,12 @@ def _recurrences(kinds: Sequence[Kind], incident: Incident, history: RunHistory,
 def decide(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
     """The action for an incident that needs one (warnings never come here)."""
     kind = incident.kind
-    if kind in (Kind.CRASH, Kind.HANG):
+    if kind in (Kind.CRASH, Kind.HANG, Kind.STRAGGLER):
         if history.restarts_without_progress >= h.max_restarts_without_progress:
             return Halt(f"{history.restarts_without_progress} restarts without a new checkpoint",
                         ExitCode.GAVE_UP_CRASH_LOOP)
-        return Restart(f"{kind.value}: restart from the latest committed checkpoint")
+        why = " (on a cluster its node would be excluded)" if kind is Kind.STRAGGLER else ""
+        return Restart(f"{kind.value}: restart from the latest committed checkpoint{why}")
     if kind is Kind.OOM:
         return _smaller(train)
     if kind is Kind.DATA_CORRUPT:

@@ -72,6 +72,10 @@ class StepEvent(_Event):
     step_s: float             # wall time of the step
     data_wait_s: float        # of which waiting for the input pipeline
     tokens_per_s: float       # tokens / step_s
+    # this rank's own time split (the straggler detector compares the ranks):
+    host_s: float = 0.0       # from the previous step's end to this step's compiled work: data, drills, saves
+    sync_s: float = 0.0       # in the compiled graph holding the step's collectives: the rank the others
+                              # wait for spends the least time there
     kind: str = "step"
 
 

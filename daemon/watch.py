@@ -24,6 +24,7 @@ from daemon import hang
 from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
+from daemon.straggler import StragglerDetector
 from daemon.protocol import CheckpointEvent, DataFaultEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
 from engine.config import Config
 
@@ -169,6 +170,7 @@ class Watch:
         self.log_paths = dict(log_paths or {})
         self.progress = {r: hang.RankProgress(since_s=now) for r in self.ranks}
         self.step_times = hang.StepTimes()
+        self.stragglers = StragglerDetector(cfg.health, self.ranks)
         self.pause = Pause.RUNNING
         self.paused_at = 0.0
         self.last_step = 0
@@ -213,6 +215,7 @@ class Watch:
             self._first_step_seen.add(ev.rank)
             if ev.rank == self.watched:
                 self._observe(ev, now)
+            self._judge(self.stragglers.observe(ev), ev.step)
         elif isinstance(ev, CheckpointEvent):
             self._checkpoint(ev)
         elif isinstance(ev, ExitEvent):
@@ -245,17 +248,21 @@ class Watch:
         self._status_at = now if notify else self._status_at
         self._logged_at = now if log else self._logged_at
         self._do(Progress(ev, log=log, notify=notify))
-        if self._incident is not None:
-            return
-        for incident in self.monitor.observe(ev):
+        if self._incident is None:
+            self._judge(self.monitor.observe(ev), ev.step)
+
+    def _judge(self, incidents: Sequence[Incident], step: int) -> None:
+        """Warnings are recorded; the first incident that needs action ends the generation."""
+        for incident in incidents:
+            if self._incident is not None:
+                return
             if not incident.needs_action:
                 self._do(Warned(incident))
                 continue
-            self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": ev.step,
+            self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": step,
                                                          "first_step": incident.first_step,
                                                          "evidence": dict(incident.evidence)}))
             self._incident = incident
-            return
 
     def _checkpoint(self, ev: CheckpointEvent) -> None:
         if ev.stage == "committed":

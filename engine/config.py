@@ -243,6 +243,11 @@ class HealthConfig:
     hang_compile_timeout_s: float = 900.0  # for the first step (graph compilation)
     hang_checkpoint_timeout_s: float = 600.0  # for the final save's commit
     max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint: exit 3
+    straggler_action: str = "warn"       # a rank the others wait for: "warn", or "restart" the generation when
+    straggler_restart_after_s: float = 300.0  # ... it stays slow this long (on a cluster: its node excluded)
+    straggler_window_steps: int = 20     # steps whose median lag per rank is judged
+    straggler_min_lag_s: float = 0.05    # a straggler's median lag is at least this ...
+    straggler_min_rel: float = 0.2       # ... and this fraction of the median step period
     max_quarantined_fraction: float = 0.05  # corrupt corpus blocks are quarantined up to this fraction; beyond: exit 65
     restart_backoff_initial_s: float = 1.0  # first restart delay; doubles per consecutive failure, with jitter
     restart_backoff_max_s: float = 60.0     # cap on the restart delay
@@ -271,6 +276,11 @@ class HealthConfig:
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0, open_low=True)
         _in_range("health.lr_floor_factor", self.lr_floor_factor, 0.0, 1.0, open_low=True)
         _in_range("health.max_quarantined_fraction", self.max_quarantined_fraction, 0.0, 1.0)
+        _choice("health.straggler_action", self.straggler_action, ("warn", "restart"))
+        _at_least("health.straggler_window_steps", self.straggler_window_steps, 2)
+        _in_range("health.straggler_restart_after_s", self.straggler_restart_after_s, 0.0, 1e7)
+        _in_range("health.straggler_min_lag_s", self.straggler_min_lag_s, 0.0, 1e4)
+        _in_range("health.straggler_min_rel", self.straggler_min_rel, 0.0, 1.0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

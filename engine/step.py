@@ -16,6 +16,7 @@ Invariants (DESIGN.md, Numerics):
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import mindspore as ms
 import numpy as np
@@ -34,6 +35,7 @@ class StepResult:
     loss_scale: float    # the scale this step ran with
     skipped: bool        # update not applied (non-finite gradients)
     control: tuple[int, ...] = ()   # the control vector, summed over ranks (see engine.worker.train)
+    sync_s: float = 0.0  # seconds in the graph holding the collectives (fused step, or the finishing update)
 
 
 class TrainStep(nn.Cell):
@@ -128,14 +130,17 @@ class TrainStep(nn.Cell):
         poison_t = Tensor(poison, ms.float32)
         control_t = Tensor(np.zeros(1, np.int32) if control is None else control.astype(np.int32))
         if self.accum_steps == 1:
+            synced = time.perf_counter()
             out = self._fused(Tensor(micro_batches[0]), lr_t, poison_t, control_t)
         else:
             for micro in micro_batches:
                 self._accumulate(Tensor(micro), poison_t)
+            synced = time.perf_counter()
             out = self._finish(lr_t, control_t)
         loss, grad_norm, scale, skipped, agreed = (x.asnumpy() for x in out)
         return StepResult(loss=float(loss), grad_norm=float(grad_norm), loss_scale=float(scale),
-                          skipped=bool(skipped), control=tuple(int(v) for v in agreed))
+                          skipped=bool(skipped), control=tuple(int(v) for v in agreed),
+                          sync_s=time.perf_counter() - synced)
 
     def state(self) -> list[Parameter]:
         """Everything a checkpoint must hold besides the model's parameters."""

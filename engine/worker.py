@@ -50,6 +50,7 @@ class Trainer:
         self.step = 0                      # optimizer steps completed
         self.cursor = 0                    # data position: the next global sample index
         self._fed: Iterator[FedStep] | None = None
+        self._last_end: float | None = None     # when the previous step ended (host time since: host_s)
         self.agreed_control: tuple[int, ...] = ()
 
     def lr(self, step: int) -> tuple[float, float]:
@@ -107,8 +108,11 @@ class Trainer:
         if corrupt:
             rng = np.random.default_rng(self.step + 1)
             batch = rng.integers(0, self.cfg.model.vocab_size, size=batch.shape, dtype=batch.dtype)
+        computing = time.perf_counter()
+        host_s = computing - (self._last_end if self._last_end is not None else started)
         result = self.step_fn.run(batch, lr, poison=poison, control=control)
-        step_s = time.perf_counter() - started
+        self._last_end = time.perf_counter()
+        step_s = self._last_end - started
         sample_start, sample_end = fed.sample_start, fed.sample_end
         self.step += 1
         self.cursor = fed.cursor_after
@@ -118,7 +122,7 @@ class Trainer:
                          loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale, lr=lr,
                          lr_multiplier=multiplier, skipped=result.skipped, sample_start=sample_start,
                          sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
-                         tokens_per_s=tokens / step_s)
+                         tokens_per_s=tokens / step_s, host_s=host_s, sync_s=result.sync_s)
 
     def apply_recovery(self, recovery: Recovery, restored_step: int) -> int:
         """The policy's directive after a rollback (see daemon.protocol.Recovery); returns the step

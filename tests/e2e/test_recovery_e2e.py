@@ -147,3 +147,20 @@ def test_out_of_memory_restarts_at_half_the_micro_batch_and_completes(cli, quiet
     assert last["config_changes"] == {"train.micro_batch": 8, "train.grad_accum_steps": 2}
     assert _named(events, "daemon_exit")[-1]["reason"] == "finished"
     assert all(v == 0 for v in _named(events, "generation_end")[-1]["oom_kills"].values())
+
+
+def test_a_slow_rank_is_named_and_with_restart_set_its_generation_is_restarted(cli, quiet_env, tmp_path,
+                                                                               stdlib_corpus):
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, 'health.straggler_action="restart"',
+                             "health.straggler_restart_after_s=4", "health.straggler_window_steps=10", steps=80,
+                             injects=[("slow", "--rank", "1", "--seconds", "0.3", "--steps", "1000")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [e for e in _named(events, "health_warning") if e["kind"] == "straggler"]
+    assert [w["rank"] for w in warned] == [1]                  # named once; generation 2 has no slow rank
+    scores = warned[0]["evidence"]["scores"]
+    assert scores["1"] < 0.6 and scores["0"] == 1.0 and warned[0]["evidence"]["lag_s"] > 0.2
+    incident = _check_recorded(run, events, "straggler")
+    assert incident["rank"] == 1 and incident["action"]["type"] == "restart"
+    assert incident["evidence"]["slow_for_s"] >= 4
+    (restart,) = _named(events, "restart")
+    assert restart["cause"] == "straggler" and restart["rank"] == 1

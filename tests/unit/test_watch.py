@@ -309,3 +309,27 @@ def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exi
     assert "tokens-00003.bin block 7" in out.incident.detail
     assert out.incident.evidence["blocks"] == bad and out.incident.evidence["corpus_blocks"] == 400
     assert watch.teardown_grace_s(out, kill_grace_s=30) == 0.0    # nothing of the ranks' state is kept
+
+
+def test_a_straggler_is_warned_about_and_ends_the_generation_only_when_set_to_restart():
+    from daemon.protocol import StepEvent
+    from daemon.watch import Warned
+
+    def slow_rank_1(w, last):
+        for s in range(1, last + 1):
+            for r, (host, sync) in {0: (0.01, 0.32), 1: (0.31, 0.02)}.items():   # rank 0 waits for rank 1
+                w.on_event(StepEvent(rank=r, generation=1, step=s, loss=2.0, grad_norm=1.0, loss_scale=1.0, lr=1e-3,
+                                     lr_multiplier=1.0, skipped=False, sample_start=0, sample_end=8, tokens=512,
+                                     step_s=0.1 + sync, data_wait_s=0.0, tokens_per_s=1.0, host_s=host, sync_s=sync),
+                           1.0 + s)
+
+    w = make()
+    slow_rank_1(w, 80)
+    assert w.tick(81.0) is None
+    (warned,) = kinds(w.drain(), Warned)
+    assert warned.incident.kind is Kind.STRAGGLER and warned.incident.rank == 1
+    w = make(load_config(None, ['health.straggler_action="restart"', "health.straggler_restart_after_s=5",
+                                "parallel.dp=2", "train.micro_batch=4"]))
+    slow_rank_1(w, 80)
+    out = w.tick(81.0)
+    assert isinstance(out, Failed) and out.incident.kind is Kind.STRAGGLER and out.incident.rank == 1
