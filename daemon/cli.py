@@ -21,11 +21,12 @@ from engine.config import ConfigError, DataError, config_hash, load_config
 
 _EXIT_MEANINGS = {
     ExitCode.OK: "finished, or stopped on request",
+    ExitCode.SOAK_FAILED: "chaos: a fault not recovered from, the run unfinished, or not bit-exact",
     ExitCode.USAGE: "command-line usage error (also: no such run)",
     ExitCode.GAVE_UP_CRASH_LOOP: "gave up: restarts made no progress",
     ExitCode.GAVE_UP_NUMERICS: "gave up: numerical incidents beyond the policy's limits",
     ExitCode.LOCKED: "another daemon holds this run's lock",
-    ExitCode.DATA_ERROR: "bad data, a bad checkpoint or a corrupt state.json",
+    ExitCode.DATA_ERROR: "bad data (or too much of the corpus corrupt), a bad checkpoint, a corrupt state.json",
     ExitCode.INTERNAL_ERROR: "internal error (systemd restarts the service)",
     ExitCode.CONFIG_ERROR: "bad configuration",
 }
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_operations(sub)
     _add_tools(sub)
+    from chaos.command import add_parser as add_chaos
+
+    _add_config_args(add_chaos(sub))           # the config of the run `--start` starts
     return parser
 
 
@@ -369,11 +373,18 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _cmd_chaos(args: argparse.Namespace) -> int:
+    from chaos.command import main as chaos_main
+
+    return chaos_main(args)
+
+
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
             "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
             "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "plot": _cmd_plot, "export": _cmd_export,
             "import-config": _cmd_import_config,
-            "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control}
+            "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control,
+            "chaos": _cmd_chaos}
 
 
 # Commands that only print: a closed pipe (`status --json | head`) ends them as it ends any Unix tool,

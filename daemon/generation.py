@@ -122,17 +122,20 @@ def stop_all(workers: Sequence[Worker], *, grace_s: float, poll_s: float = 0.05)
             w.popen.wait()
 
 
-def kill_orphans(records: Sequence[dict]) -> list[dict]:
-    """Kills the process groups of a previous daemon's workers that are still alive (same pid and
-    start time as recorded); returns the records it killed."""
-    killed = []
-    for rec in records:
-        ticks = start_ticks(rec["pid"])
-        if ticks is not None and ticks == rec.get("start_ticks"):
-            _signal_group(rec["pgid"], signal.SIGKILL)
-            killed.append(rec)
+def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
+    """Ends a previous daemon's workers that are still alive (same pid and start time as recorded):
+    first `grace_s` for them to exit by themselves — the kernel sent them SIGTERM when their daemon
+    died (parent-death signal), and they are saving a checkpoint at their next step — then SIGKILL
+    to their process groups. Returns the records it had to kill."""
+    alive = lambda recs: [r for r in recs if start_ticks(r["pid"]) == r.get("start_ticks")]
+    deadline = time.monotonic() + grace_s
+    while alive(records) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed = alive(records)
+    for rec in killed:
+        _signal_group(rec["pgid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(start_ticks(r["pid"]) == r.get("start_ticks") for r in killed):
+    while time.monotonic() < deadline and alive(killed):
         time.sleep(0.05)
     return killed
 

@@ -16,6 +16,7 @@ class ExitCode(enum.IntEnum):
     """Every exit status the project's processes use; systemd's unit lists the final ones."""
 
     OK = 0                  # finished, or stopped on request
+    SOAK_FAILED = 1         # chaos: a fault was not recovered from, the run did not finish, or not bit-exact
     USAGE = 2               # command-line usage error (argparse's own code)
     GAVE_UP_CRASH_LOOP = 3  # restarts made no progress
     GAVE_UP_NUMERICS = 4    # numerical incidents beyond the policy's limits
@@ -26,7 +27,7 @@ class ExitCode(enum.IntEnum):
 
 
 # Codes after which restarting cannot help: the unit's RestartPreventExitStatus=.
-FINAL_EXIT_CODES = tuple(c for c in ExitCode if c is not ExitCode.INTERNAL_ERROR)
+FINAL_EXIT_CODES = tuple(c for c in ExitCode if c not in (ExitCode.INTERNAL_ERROR, ExitCode.SOAK_FAILED))
 
 
 

@@ -93,7 +93,7 @@ class Supervisor:
         except (control.ControlDirError, memcg.CgroupError, ConfigError, MetricsPortError) as e:
             ledger.emit("daemon_exit", level="error", code=int(ExitCode.CONFIG_ERROR), reason="config", detail=str(e))
             return ExitCode.CONFIG_ERROR
-        if self.state.processes and (killed := kill_orphans(self.state.processes)):
+        if self.state.processes and (killed := kill_orphans(self.state.processes, self.cfg.run.kill_grace_s)):
             ledger.emit("orphans_killed", level="warning", pids=[r["pid"] for r in killed],
                         detail="workers of a previous daemon were still running")
         ledger.begin(total_steps=self.cfg.train.steps, log_dir=self.files.log_dir.resolve())

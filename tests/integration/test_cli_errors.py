@@ -125,3 +125,23 @@ def test_a_drill_for_a_run_whose_daemon_has_drills_off_is_refused_with_78(tmp_pa
                           timeout=60)
     assert proc.returncode == 78 and "health.allow_fault_injection" in proc.stderr
     assert not list((run / "control").iterdir())                                # nothing left to wait
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["chaos", "--start"], 78, "fault injection is off for this run"),
+    (["chaos", "--start", "--set", "health.allow_fault_injection=true", "--faults", "disk-full",
+      "--disk-full-max-bytes", "4096"], 78, "disk-full would fill"),
+    (["chaos"], 2, "name a live run (RUN), or pass --start"),
+    (["chaos", "RUNDIR"], 2, "no config.resolved.toml: no daemon has run here"),
+    (["chaos", "--faults", "crash,boom", "--start"], 2, "unknown fault(s) boom"),
+    (["chaos", "--duration", "10d", "--start"], 2, "is not a duration"),
+])
+def test_chaos_refuses_before_any_fault_with_one_line(tmp_path, cli, quiet_env, args, code, message):
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    args = [str(run) if a == "RUNDIR" else a for a in args]
+    proc = subprocess.run([*cli, *args, "--set", f'run.dir="{run}"'] if "--start" in args else [*cli, *args],
+                          capture_output=True, text=True, env=quiet_env, timeout=60, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in run.iterdir()) == ["control"]          # nothing started, nothing written

@@ -94,7 +94,7 @@ def test_the_policy_decides_on_typed_incidents_not_dicts():
     assert "dict" not in str(inspect.signature(policy.decide))
 
 
-@pytest.mark.parametrize("name", ["watch.py", "policy.py", "health.py", "hang.py", "incidents.py"])
+@pytest.mark.parametrize("name", ["watch.py", "policy.py", "health.py", "hang.py", "incidents.py", "straggler.py"])
 def test_the_deciding_modules_are_pure(name):
     """No clock, no processes, no files, no sockets in what decides: tests drive it with literal times."""
     banned = {"time", "os", "subprocess", "socket", "signal", "threading", "pathlib", "shutil"}
@@ -108,3 +108,8 @@ def test_only_the_generation_module_sends_signals():
     sending = re.compile(r"os\.killpg\(|os\.kill\((?![^)]*,\s*0\))|\.send_signal\(|\.terminate\(\)")
     senders = [p.name for p in _files("daemon") if sending.search(p.read_text())]
     assert senders == ["generation.py"], senders
+
+
+def test_the_soak_is_a_client_no_daemon_module_but_the_cli_imports_it():
+    importers = [p.name for p in _files("daemon") if any(n.split(".")[0] == "chaos" for n in _imports(p))]
+    assert importers == ["cli.py"], importers
