@@ -184,6 +184,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from engine import runtime
 
     runtime.check_process_count(cfg)
+    cfg = _resumable(cfg, allow_config_change=args.allow_config_change)
     if args.until_step is not None and args.until_step < 1:
         raise ConfigError(f"--until-step = {args.until_step} must be >= 1")
     from engine import worker
@@ -198,10 +199,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
+def _resumable(cfg, *, allow_config_change: bool = False):
+    """The config to resume the run's newest checkpoint with (its lr schedule kept when train.steps
+    grew); a config that cannot resume it is a ConfigError here, before anything is spawned."""
+    from engine.resume_check import check_resume
+
+    cfg, note = check_resume(cfg, cfg.run.resolved_dir() / "checkpoints", allow_config_change=allow_config_change)
+    if note:
+        print(f"llm-pretrain: {note}", file=sys.stderr, flush=True)
+    return cfg
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from daemon.supervisor import Supervisor
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = _resumable(load_config(args.config, args.overrides))
     # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`), not
     # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
     worker_cmd = [sys.executable, "-m", "daemon.cli", "train"]

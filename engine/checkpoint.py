@@ -28,6 +28,7 @@ import checkpointing
 from checkpointing import layout, partition, reader, retention
 from checkpointing.writer import ShardWriter
 from daemon.protocol import CheckpointEvent
+from engine.resume_check import changed_keys
 from engine.config import Config, ConfigError, config_hash, trajectory_dict
 
 RUN_STATE_VERSION = 1
@@ -46,14 +47,6 @@ def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error
                         f"the model needs {tuple(p.shape)}")
     for p in params:
         p.set_data(ms.Tensor(tensors[p.name]))
-
-
-def _changed_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    keys = []
-    for section in sorted(set(saved) | set(current)):
-        a, b = saved.get(section, {}), current.get(section, {})
-        keys += [f"{section}.{k}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    return keys
 
 
 class TrainerCheckpoints:
@@ -168,7 +161,7 @@ class TrainerCheckpoints:
         path, manifest = found
         state = manifest["run_state"]
         if state.get("config_hash") != config_hash(self.cfg) and not allow_config_change:
-            changed = _changed_keys(state.get("trajectory", {}), trajectory_dict(self.cfg))
+            changed = changed_keys(state.get("trajectory", {}), trajectory_dict(self.cfg))
             raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings "
                               f"({', '.join(changed) or 'config hash differs'}); restore the config or pass "
                               "--allow-config-change to resume anyway")

@@ -195,3 +195,28 @@ def test_a_full_disk_never_ends_the_daemon_and_saves_resume_when_space_returns(c
         if proc.poll() is None:
             proc.kill()
         subprocess.run(["umount", "-l", str(run)], capture_output=True)
+
+
+def test_more_steps_train_on_with_the_schedule_kept_and_a_changed_trajectory_is_refused_up_front(
+        cli, quiet_env, tmp_path, stdlib_corpus):
+    """The README's `make demo ARGS="--set train.steps=400"`: a finished run trains on; its lr past
+    the old end is the floor. A changed lr is refused by the daemon itself, naming the key, with
+    nothing started."""
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=30)
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-2000:]
+    proc, _ = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=50)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert "lr schedule of the checkpoints is kept" in err and "steps 31..50 train at optim.min_lr" in err
+    events = _events(run)
+    assert _named(events, "generation_start")[-1]["resume_step"] == 30
+    steps = {e["step"]: e for e in _rank_steps(run, 0)}
+    assert max(steps) == 50 and all(steps[s]["lr"] == steps[50]["lr"] for s in range(31, 51))
+    assert steps[20]["lr"] > steps[31]["lr"]                                  # the decay had ended at 30
+    before = len(_named(events, "generation_start"))
+    proc, _ = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "optim.lr=0.01", steps=60)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 78
+    assert err.strip().splitlines()[-1].startswith("llm-pretrain: config error: checkpoint ")
+    assert "(optim.lr)" in err and "Traceback" not in err
+    assert len(_named(_events(run), "generation_start")) == before            # nothing was started
