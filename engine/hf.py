@@ -10,6 +10,7 @@ tensors — no permutation. numpy and safetensors only: no MindSpore.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,74 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
 _SHAPE_KEYS = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
                "num_hidden_layers": "num_layers", "num_attention_heads": "num_heads",
                "num_key_value_heads": "num_kv_heads", "tie_word_embeddings": "tie_embeddings"}
+# float keys that change the logits, with LlamaConfig's default when config.json leaves them out
+_FLOAT_KEYS = {"rope_theta": ("rope_theta", 10000.0), "rms_norm_eps": ("norm_eps", 1e-6)}
+_REL_TOL = 1e-6            # 1e-05 == 1e-5; a float32 round trip (9.9999997e-06) still matches
+_NO_BIAS_KEYS = ("attention_bias", "mlp_bias")     # this model's llama Linears have no bias
+
+
+def _toml(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (bool, str)) else repr(value)
+
+
+def _rope_type(scaling: Any) -> str | None:
+    """None for plain RoPE (absent, null or rope_type "default"), else the name to refuse."""
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        return repr(scaling)
+    kind = scaling.get("rope_type", scaling.get("type"))
+    return None if kind == "default" else repr(kind) if kind is not None else f"{scaling!r} (no type)"
+
+
+def init_mismatches(config: dict[str, Any], m: ModelConfig) -> list[str]:
+    """Every way a Hugging Face LLaMA config.json computes other logits than model.* would, one
+    phrase each naming the key, both values and what to set; absent keys take LlamaConfig's defaults.
+    Pure: no files, no MindSpore."""
+    out = []
+    defaults = {"num_key_value_heads": config.get("num_attention_heads"), "tie_word_embeddings": False}
+    for theirs, ours in _SHAPE_KEYS.items():
+        value, mine = config.get(theirs, defaults.get(theirs)), getattr(m, ours)
+        if value is None:
+            out.append(f"model.{ours} = {_toml(mine)} but config.json has no {theirs}")
+        elif value != mine:
+            out.append(f"model.{ours} = {_toml(mine)} but {theirs} = {_toml(value)} "
+                       f"(set model.{ours} = {_toml(value)})")
+    head_dim = config.get("head_dim")
+    if head_dim is not None and head_dim != m.head_dim:
+        out.append(f"head_dim = {_toml(head_dim)} but model.hidden_size / model.num_heads = {m.head_dim} "
+                   "(this model's head_dim is always hidden_size / num_heads)")
+    rope = config.get("rope_parameters")           # transformers >= 5 keeps rope_theta and the type here
+    rope = rope if isinstance(rope, dict) else {}
+    for theirs, (ours, default) in _FLOAT_KEYS.items():
+        name = f"rope_parameters.{theirs}" if theirs in rope else theirs
+        value, mine = rope.get(theirs, config.get(theirs, default)), getattr(m, ours)
+        try:
+            same = math.isclose(float(value), mine, rel_tol=_REL_TOL, abs_tol=0.0)
+        except (TypeError, ValueError):
+            out.append(f"model.{ours} = {_toml(mine)} but {name} = {value!r} (not a number)")
+            continue
+        if not same:
+            out.append(f"model.{ours} = {_toml(mine)} but {name} = {_toml(value)} "
+                       f"(set model.{ours} = {_toml(float(value))})")
+    positions = config.get("max_position_embeddings", 2048)
+    if not isinstance(positions, (int, float)) or m.max_seq_len > positions:
+        out.append(f"model.max_seq_len = {m.max_seq_len} but max_position_embeddings = {_toml(positions)} "
+                   f"(positions past it were never trained; set model.max_seq_len <= {_toml(positions)})")
+    for key, scaling in (("rope_scaling", config.get("rope_scaling")), ("rope_parameters", rope or None)):
+        kind = _rope_type(scaling)
+        if kind is not None:
+            out.append(f"{key} type {kind} is not implemented (this model computes plain RoPE only; "
+                       f"use a model whose {key} is null)")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        out.append(f"partial_rotary_factor = {partial!r} (this model rotates every head dimension; only 1.0)")
+    if config.get("hidden_act", "silu") != "silu":
+        out.append(f"hidden_act = {config['hidden_act']!r} (this model's MLP is SwiGLU; only 'silu')")
+    for key in _NO_BIAS_KEYS:
+        if config.get(key, False) is not False:
+            out.append(f"{key} = {_toml(config[key])} (this model's llama layers have no biases; only false)")
+    return out
 
 
 def model_config_of(checkpoint: Path) -> tuple[ModelConfig, dict[str, Any]]:
@@ -82,13 +151,9 @@ def load_for_init(directory: Path, m: ModelConfig) -> dict[str, np.ndarray]:
     config = json.loads(config_path.read_text())
     if config.get("model_type") != "llama":
         raise ConfigError(f"model.init_from: {directory} holds a {config.get('model_type')!r} model, not 'llama'")
-    mismatched = [f"{ours} = {getattr(m, ours)!r} but {theirs} = {config.get(theirs)!r}"
-                  for theirs, ours in _SHAPE_KEYS.items()
-                  if config.get(theirs, False if theirs == "tie_word_embeddings" else None) != getattr(m, ours)]
-    if config.get("hidden_act", "silu") != "silu":
-        mismatched.append(f"hidden_act = {config['hidden_act']!r} (only 'silu')")
+    mismatched = init_mismatches(config, m)
     if mismatched:
-        raise ConfigError(f"model.init_from: {directory} does not match the config: model.{'; model.'.join(mismatched)}")
+        raise ConfigError(f"model.init_from: {directory} does not match the config: {'; '.join(mismatched)}")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.init_from: no .safetensors files in {directory} (pickled .bin files are not read)")
