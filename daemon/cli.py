@@ -27,6 +27,7 @@ _EXIT_MEANINGS = {
     ExitCode.GAVE_UP_NUMERICS: "gave up: numerical incidents beyond the policy's limits",
     ExitCode.LOCKED: "another daemon holds this run's lock",
     ExitCode.DATA_ERROR: "bad data (or too much of the corpus corrupt), a bad checkpoint, a corrupt state.json",
+    ExitCode.NO_DAEMON: "a request (pause, stop, inject, …) for a run no daemon is running (--queue leaves it)",
     ExitCode.INTERNAL_ERROR: "internal error (systemd restarts the service)",
     ExitCode.CONFIG_ERROR: "bad configuration",
 }
@@ -92,6 +93,7 @@ def _add_operations(sub) -> None:
     inject.add_argument("--steps", type=int, metavar="N", help="steps affected (nan 1, spike 8, slow 100)")
     inject.add_argument("--seconds", type=float, help="hang: how long (default 3600); slow: per step (0.5)")
     inject.add_argument("--reason", help="a note for the log")
+    inject.add_argument("--queue", action="store_true", help=_QUEUE_HELP)
 
     status = sub.add_parser("status", help="a run's state, step, loss, speed, ETA, restarts, last incident")
     status.add_argument("run", metavar="RUN", help="a run directory, or a run name")
@@ -114,6 +116,7 @@ def _add_operations(sub) -> None:
         ctl = sub.add_parser(name, help=f"{verb.help} (a file in the run's control directory)")
         ctl.add_argument("run", metavar="RUN", help="a run directory, or a run name")
         ctl.add_argument("--reason", help="a note for the log")
+        ctl.add_argument("--queue", action="store_true", help=_QUEUE_HELP)
 
 
 
@@ -221,18 +224,30 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd).run()
 
 
-def _control_dir(run: str):
+_QUEUE_HELP = "leave the request for the run's next daemon when none is running (default: refuse, exit 69)"
+
+
+class NoDaemonError(RuntimeError):
+    """A request for a run whose daemon is not running: it would wait, unseen, for a future daemon."""
+
+
+def _control_dir(run: str, *, queue: bool = False):
+    from daemon.lock import holder
 
     control_dir = resolve_run_dir(run) / "control"
     if not control_dir.is_dir():
         raise RunNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
+    if not queue and holder(control_dir.parent) is None:
+        raise NoDaemonError(f"no daemon is running for {control_dir.parent} (its daemon.lock is not held), so nothing "
+                            "would act on the request now; start the daemon, or pass --queue to leave it for the next one")
     return control_dir
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
     from daemon import control
 
-    path = control.write_request(_control_dir(args.run), args.command, {"reason": args.reason} if args.reason else {})
+    control_dir = _control_dir(args.run, queue=args.queue)
+    path = control.write_request(control_dir, args.command, {"reason": args.reason} if args.reason else {})
     print(f"requested: {path} (acknowledged by a `control` event in the run's log)")
     return ExitCode.OK
 
@@ -346,11 +361,12 @@ def _cmd_inject(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise ConfigError(f"inject: {e}") from None
     body = {**request.to_dict(), **({"reason": args.reason} if args.reason else {})}
-    control_dir = _control_dir(args.run)
+    control_dir = _control_dir(args.run, queue=True)
     resolved = control_dir.parent / "config.resolved.toml"          # what the running daemon runs with
     if resolved.exists() and not load_config(resolved).health.allow_fault_injection:
         raise ConfigError(f"fault drills are off for this run ({resolved}): set health.allow_fault_injection = "
                           "true and restart the daemon")
+    _control_dir(args.run, queue=args.queue)                          # a daemon to act on it, or --queue
     path = control.write_request(control_dir, "inject", body)
     print(f"requested: {path} (the daemon's log acknowledges it with a `control` event)")
     return ExitCode.OK
@@ -421,6 +437,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RunNotFoundError as e:
         print(f"llm-pretrain: {e}", file=sys.stderr)
         return ExitCode.USAGE
+    except NoDaemonError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.NO_DAEMON
     except ConfigError as e:
         print(f"llm-pretrain: config error: {e}", file=sys.stderr)
         return ExitCode.CONFIG_ERROR

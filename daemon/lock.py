@@ -48,3 +48,18 @@ class RunLock:
             os.close(self._fd)
             self._fd = None
 
+
+
+def holder(run_dir: Path) -> str | None:
+    """The pid (as written) of the live daemon holding the run's lock; None when no daemon holds it."""
+    try:
+        fd = os.open(run_dir / "daemon.lock", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)                 # also drops the shared lock, if it was taken
+    return None

@@ -22,12 +22,14 @@ class ExitCode(enum.IntEnum):
     GAVE_UP_NUMERICS = 4    # numerical incidents beyond the policy's limits
     LOCKED = 5              # another daemon holds this run's lock
     DATA_ERROR = 65         # bad data (EX_DATAERR)
+    NO_DAEMON = 69          # a request for a run no daemon is running (EX_UNAVAILABLE)
     INTERNAL_ERROR = 70     # internal error (EX_SOFTWARE): the one code systemd restarts on
     CONFIG_ERROR = 78       # bad configuration (EX_CONFIG)
 
 
 # Codes after which restarting cannot help: the unit's RestartPreventExitStatus=.
-FINAL_EXIT_CODES = tuple(c for c in ExitCode if c not in (ExitCode.INTERNAL_ERROR, ExitCode.SOAK_FAILED))
+FINAL_EXIT_CODES = tuple(c for c in ExitCode
+                         if c not in (ExitCode.INTERNAL_ERROR, ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON))
 
 
 

@@ -56,7 +56,8 @@ def reference(cli, quiet_env, tmp_path_factory, stdlib_corpus):
 def _pause_mid_run(cli, env, run, corpus, *extra):
     (run / "control").mkdir(parents=True, mode=0o750)
     # 0.15 s of sleep per step on rank 0 (a `slow` drill: no effect on the numbers) leaves time to act
-    subprocess.run([*cli, "inject", "slow", str(run), "--steps", "1000", "--seconds", "0.15"], env=env, check=True)
+    subprocess.run([*cli, "inject", "slow", str(run), "--steps", "1000", "--seconds", "0.15", "--queue"], env=env,
+                   check=True)
     proc = _start(cli, env, run, corpus, *extra)
     _wait_for(lambda: (run / "logs" / "rank-0.log").exists() and len(_steps(run, 0)) >= 5, what="step 5")
     subprocess.run([*cli, "checkpoint", str(run)], env=env, check=True)

@@ -18,7 +18,7 @@ def _run(cli, env, tmp_path, corpus, *extra, injects=(), steps, timeout=420):
     run = tmp_path / "run"
     (run / "control").mkdir(parents=True, mode=0o750)
     for args in injects:
-        done = subprocess.run([*cli, "inject", *args, str(run)], env=env, capture_output=True, text=True)
+        done = subprocess.run([*cli, "inject", *args, str(run), "--queue"], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr
     sets = [f'data.path="{corpus}"', f"train.steps={steps}", "checkpoint.interval_steps=20", "parallel.dp=2",
             "train.micro_batch=4", f'run.dir="{run}"', "health.allow_fault_injection=true",

@@ -145,3 +145,28 @@ def test_chaos_refuses_before_any_fault_with_one_line(tmp_path, cli, quiet_env, 
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in run.iterdir()) == ["control"]          # nothing started, nothing written
+
+
+@pytest.mark.parametrize("args", [["pause", "RUN"], ["stop", "RUN", "--reason", "x"], ["checkpoint", "RUN"],
+                                  ["inject", "nan", "RUN"]])
+def test_a_request_with_no_daemon_running_is_refused_with_69_unless_queued(tmp_path, cli, quiet_env, args):
+    import fcntl
+    import os
+
+    run = tmp_path / "run"
+    (run / "control").mkdir(parents=True)
+    (run / "daemon.lock").write_text("12345\n")          # a dead daemon's lock: the file, no flock
+    base = [*cli, *(str(run) if a == "RUN" else a for a in args)]
+    proc = subprocess.run(base, capture_output=True, text=True, env=quiet_env, timeout=60)
+    assert proc.returncode == 69, proc.stderr
+    assert "no daemon is running" in proc.stderr and "--queue" in proc.stderr and "Traceback" not in proc.stderr
+    assert not list((run / "control").iterdir())                                  # nothing left to wait
+    assert subprocess.run([*base, "--queue"], capture_output=True, env=quiet_env, timeout=60).returncode == 0
+    assert len(list((run / "control").iterdir())) == 1
+    fd = os.open(run / "daemon.lock", os.O_RDWR)                   # a live holder (as the daemon holds it)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert subprocess.run(base, capture_output=True, env=quiet_env, timeout=60).returncode == 0
+    finally:
+        os.close(fd)
+    assert len(list((run / "control").iterdir())) == 2

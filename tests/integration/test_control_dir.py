@@ -49,7 +49,7 @@ def test_an_inject_request_becomes_a_command(tmp_path, cli, quiet_env):
 
     run = tmp_path / "run"
     (run / "control").mkdir(parents=True, mode=0o750)
-    done = subprocess.run([*cli, "inject", "hang", str(run), "--rank", "0", "--at-step", "5", "--seconds", "1"],
+    done = subprocess.run([*cli, "inject", "hang", str(run), "--rank", "0", "--at-step", "5", "--seconds", "1", "--queue"],
                           env=quiet_env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     code, events, err = _finish(_start(run, overrides=["health.allow_fault_injection=true"],
