@@ -16,7 +16,7 @@ from typing import Sequence
 from checkpointing import CheckpointError
 from daemon.protocol import FAULTS, ExitCode, InjectRequest
 from daemon.runs import RunNotFoundError, resolve_run_dir
-from engine.config import ConfigError, DataError, config_hash, load_config
+from engine.config import CantCreateError, ConfigError, DataError, config_hash, load_config
 
 
 _EXIT_MEANINGS = {
@@ -29,6 +29,7 @@ _EXIT_MEANINGS = {
     ExitCode.DATA_ERROR: "bad data (or too much of the corpus corrupt), a bad checkpoint, a corrupt state.json",
     ExitCode.NO_DAEMON: "a request (pause, stop, inject, …) for a run no daemon is running (--queue leaves it)",
     ExitCode.INTERNAL_ERROR: "internal error (systemd restarts the service)",
+    ExitCode.CANT_CREATE: "an output cannot be created (permissions, a read-only or virtual filesystem)",
     ExitCode.CONFIG_ERROR: "bad configuration",
 }
 
@@ -164,10 +165,20 @@ def _add_tools(sub) -> None:
     _add_config_args(show)
     show.add_argument("--json", action="store_true", help="JSON: {config, config_hash}")
 
+def _check_data(cfg) -> None:
+    """A prepared corpus at data.path (its manifest and shard sizes; content is checked as it is read):
+    found here, not inside a rank after the cluster formed."""
+    if cfg.data.source == "prepared" and cfg.data.path:
+        from engine.corpus import Corpus
+
+        Corpus(cfg.data.path, verify_checksums=False)
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     from engine.config import to_toml
 
     cfg = load_config(args.config, args.overrides)
+    _check_data(cfg)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "config_hash": config_hash(cfg)}, indent=2))
     else:
@@ -217,6 +228,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from daemon.supervisor import Supervisor
 
     cfg = _resumable(load_config(args.config, args.overrides))
+    _check_data(cfg)
     # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`), not
     # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
     worker_cmd = [sys.executable, "-m", "daemon.cli", "train"]
@@ -446,6 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"llm-pretrain: checkpoint error: {e}", file=sys.stderr)
         return ExitCode.DATA_ERROR
+    except CantCreateError as e:
+        print(f"llm-pretrain: {e}", file=sys.stderr)
+        return ExitCode.CANT_CREATE
     except DataError as e:
         print(f"llm-pretrain: data error: {e}", file=sys.stderr)
         return ExitCode.DATA_ERROR

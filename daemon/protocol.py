@@ -24,12 +24,14 @@ class ExitCode(enum.IntEnum):
     DATA_ERROR = 65         # bad data (EX_DATAERR)
     NO_DAEMON = 69          # a request for a run no daemon is running (EX_UNAVAILABLE)
     INTERNAL_ERROR = 70     # internal error (EX_SOFTWARE): the one code systemd restarts on
+    CANT_CREATE = 73        # an output file or directory cannot be created (EX_CANTCREAT)
     CONFIG_ERROR = 78       # bad configuration (EX_CONFIG)
 
 
 # Codes after which restarting cannot help: the unit's RestartPreventExitStatus=.
-FINAL_EXIT_CODES = tuple(c for c in ExitCode
-                         if c not in (ExitCode.INTERNAL_ERROR, ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON))
+# Codes only the CLI's other commands use: never the daemon's.
+CLI_ONLY_EXIT_CODES = (ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON, ExitCode.CANT_CREATE)
+FINAL_EXIT_CODES = tuple(c for c in ExitCode if c is not ExitCode.INTERNAL_ERROR and c not in CLI_ONLY_EXIT_CODES)
 
 
 

@@ -31,6 +31,10 @@ class DataError(ValueError):
     """
 
 
+class CantCreateError(DataError):
+    """An output cannot be created (permissions, a read-only or virtual filesystem): exit 73."""
+
+
 def _fail(msg: str) -> typing.NoReturn:
     raise ConfigError(msg)
 
@@ -505,6 +509,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: typing.Se
             _fail(f"config file {os.fspath(path)!r} is not valid TOML: {e}")
         except UnicodeDecodeError:
             _fail(f"config file {os.fspath(path)!r} is not UTF-8 text")
+        except OSError as e:                      # permissions, an unreadable device, …
+            _fail(f"cannot read config file {os.fspath(path)!r}: {e.strerror or e}")
     for text in overrides:
         section, key, value = parse_override(text)
         table = data.setdefault(section, {})

@@ -26,7 +26,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from durable import fsync_path, sha256_file
-from engine.config import DataError
+from engine.config import CantCreateError, DataError
 from engine.corpus_blocks import DEFAULT_BLOCK_BYTES, BlockVerifier, RunningBlocks, check_block_bytes
 
 FORMAT = "llm-pretrain-corpus"
@@ -66,11 +66,15 @@ class CorpusWriter:
         self.out = Path(out)
         if self.out.exists() and not overwrite and any(self.out.iterdir() if self.out.is_dir() else [True]):
             raise DataError(f"output {str(self.out)!r} already exists; choose another directory or pass --overwrite")
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(self.out)
         self.tmp = self.out.parent / f"{self.out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.out)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        except OSError as e:
+            raise CantCreateError(f"cannot create the corpus at {str(self.out)!r}: {e.strerror or e} "
+                                  f"({e.filename or self.tmp}); choose a writable --output") from None
         self.tokenizer, self.shard_tokens, self.overwrite = tokenizer, shard_tokens, overwrite
         self.dtype = token_dtype(tokenizer["vocab_size"])
         self.shards: list[dict[str, Any]] = []

@@ -170,3 +170,20 @@ def test_a_request_with_no_daemon_running_is_refused_with_69_unless_queued(tmp_p
     finally:
         os.close(fd)
     assert len(list((run / "control").iterdir())) == 2
+
+
+@pytest.mark.parametrize("args,code,message", [
+    (["config", "--config", "/proc/self/mem"], 78, "cannot read config file '/proc/self/mem': Input/output error"),
+    (["prepare-data", "--input", "INPUT", "--output", "/proc/x"], 73, "cannot create the corpus at '/proc/x'"),
+    (["config", "--set", 'data.path="MISSING"'], 65, "is not a prepared corpus: manifest.json is missing"),
+    (["run", "--set", 'data.path="MISSING"', "--set", 'run.dir="RUN"'], 65, "is not a prepared corpus"),
+])
+def test_bad_paths_are_one_line_and_a_documented_code_never_70(tmp_path, cli, quiet_env, args, code, message):
+    text = tmp_path / "in.txt"
+    text.write_text("some text\n")
+    subst = {"INPUT": str(text), "MISSING": str(tmp_path / "no-corpus"), "RUN": str(tmp_path / "run")}
+    args = [next((a.replace(k, v) for k, v in subst.items() if k in a), a) for a in args]
+    proc = subprocess.run([*cli, *args], capture_output=True, text=True, env=quiet_env, timeout=120, cwd=tmp_path)
+    assert proc.returncode == code, proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]              # nothing created
