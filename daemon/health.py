@@ -9,6 +9,9 @@ or processes; the caller feeds step events in order.
   `loss_collapse_min_rel` below the median, held and warmed up alike (a data shard of zeros
   makes the loss fall to nothing: as wrong as a spike, and as silent).
 - grad-norm spike: the same statistic on the gradient norm; a warning unless configured to act.
+- grad-norm burst: a single step whose gradient norm is `grad_norm_burst_factor` (100) times the
+  window's median or more — not sustained, so no spike, but worth a word (a warning, at most one
+  per window).
 - non-finite: in fp32/bf16 any skipped step; in fp16 an overflow storm — `overflow_storm_steps`
   skipped steps in a row, or a skipped step with the loss scale at its floor.
 - throughput regression and stalled loss: warnings, with their evidence.
@@ -104,6 +107,7 @@ class HealthMonitor:
         self.best_loss_step = 0
         self.stall_warned = False
         self.ignore_throughput = 0
+        self.burst_warned_at = -(1 << 62)
 
     def rewind(self, step: int) -> None:
         """A new generation resumes after `step`: later observations are replayed, and its first
@@ -125,12 +129,26 @@ class HealthMonitor:
             out.append(Incident(kind=Kind.LOSS_SPIKE, first_step=ev["steps"][0], last_step=step, evidence=ev))
         if (ev := self.collapse.observe(step, event.loss)) is not None:
             out.append(Incident(kind=Kind.LOSS_COLLAPSE, first_step=ev["steps"][0], last_step=step, evidence=ev))
+        out += self._burst(event)
         if (ev := self.grad.observe(step, event.grad_norm)) is not None:
             out.append(Incident(kind=Kind.GRAD_NORM_SPIKE, needs_action=self.cfg.grad_norm_action == "rollback",
                                 first_step=ev["steps"][0], last_step=step, evidence=ev))
         out += self._throughput(event)
         out += self._stall(event)
         return out
+
+    def _burst(self, event: StepEvent) -> list[Incident]:
+        """Before the grad detector takes the step in: its window is the step's baseline."""
+        g, factor = self.grad, self.cfg.grad_norm_burst_factor
+        if not factor or event.step <= g.warmup or len(g.history) < g.window or not math.isfinite(event.grad_norm):
+            return []
+        median = statistics.median(v for _, v in list(g.history)[-g.window:])
+        if event.grad_norm < factor * median or event.step - self.burst_warned_at < g.window:
+            return []
+        self.burst_warned_at = event.step
+        return [Incident(kind=Kind.GRAD_NORM_BURST, needs_action=False, first_step=event.step, last_step=event.step,
+                         evidence={"grad_norm": event.grad_norm, "median": median, "ratio": event.grad_norm / median,
+                                   "factor": factor, "window_steps": g.window, "loss": event.loss})]
 
     def _non_finite(self, event: StepEvent) -> list[Incident]:
         step = event.step

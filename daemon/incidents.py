@@ -23,6 +23,7 @@ class Kind(str, enum.Enum):
     LOSS_SPIKE = "loss_spike"
     LOSS_COLLAPSE = "loss_collapse"        # the loss far below its recent band (a shard of zeros, a broken label)
     GRAD_NORM_SPIKE = "grad_norm_spike"
+    GRAD_NORM_BURST = "grad_norm_burst"    # one step's grad norm far beyond its window (a warning)
     NON_FINITE = "non_finite"              # fp32/bf16: a skipped (non-finite) step
     OVERFLOW_STORM = "overflow_storm"      # fp16: skipped steps in a row, or at the scale floor
     THROUGHPUT_REGRESSION = "throughput_regression"   # warnings only

@@ -228,6 +228,7 @@ class HealthConfig:
                                          # 1.0 turns it off (a loss is never negative)
     grad_norm_mad_k: float = 6.0         # the same statistic on the gradient norm
     grad_norm_action: str = "warn"       # "warn", or "rollback" to treat a grad-norm spike like a loss spike
+    grad_norm_burst_factor: float = 100.0  # warn on a single step's grad norm >= this x the window's median (0: off)
     overflow_storm_steps: int = 10       # fp16: skipped steps in a row that make an incident
     throughput_window_steps: int = 100   # steps whose median tokens/s is compared with the best seen
     throughput_drop: float = 0.3         # warn when tokens/s falls this fraction below the best
@@ -273,6 +274,7 @@ class HealthConfig:
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0)
         _in_range("health.loss_collapse_min_rel", self.loss_collapse_min_rel, 0.0, 1.0, open_low=True)
         _choice("health.grad_norm_action", self.grad_norm_action, ("warn", "rollback"))
+        _in_range("health.grad_norm_burst_factor", self.grad_norm_burst_factor, 0.0, 1e9)
         for key in ("rollback_margin_steps", "lr_hold_steps", "lr_ramp_steps", "recur_window_steps",
                     "loss_scale_cap_steps"):
             _at_least(f"health.{key}", getattr(self, key), 0)

@@ -172,3 +172,23 @@ def test_no_collapse_is_judged_during_warmup():
     losses = _noisy(120)
     losses[60:70] = [0.0] * 10           # inside the 100 warm-up steps
     assert _run(_stream(losses)) == []
+
+
+def test_a_single_step_with_a_grad_norm_300x_its_window_is_a_warning_once():
+    events = _stream(_noisy(300))
+    for e in events:
+        e["grad_norm"] = 1.0 + 0.1 * ((e["step"] * 7919) % 13) / 13
+    for step in (200, 205):                        # two bursts inside one window: one warning
+        events[step - 1]["grad_norm"] = 300.0
+    found = _run(events)
+    assert [i.kind for i in found] == ["grad_norm_burst"]
+    burst = found[0]
+    assert burst.first_step == 200 and not burst.needs_action and burst.evidence["ratio"] > 250
+    events[279]["grad_norm"] = 99.0                # under 100x: nothing
+    assert [i.kind for i in _run(events)] == ["grad_norm_burst"]
+    assert _run(events, HealthConfig(grad_norm_burst_factor=0)) == []
+
+
+@pytest.mark.parametrize("name", ["normal_lr3e-3.csv", "highlr_6e-2.csv"])
+def test_the_recorded_curves_have_no_burst(name):
+    assert not [i for i in _run(_curve(name)) if i.kind == "grad_norm_burst"]
