@@ -42,6 +42,21 @@ def non_finite_floats(value: Any) -> Any:
     return value
 
 
+# syslog priorities: journald reads a "<N>" line prefix (SyslogLevelPrefix=, on by default), so
+# `journalctl -p err` finds the errors
+_PRIORITY = {"debug": 7, "info": 6, "warning": 4, "error": 3, "critical": 2}
+
+
+def is_journal(stream: TextIO, env=os.environ) -> bool:
+    """Whether `stream` is systemd's journal stream ($JOURNAL_STREAM names its device and inode)."""
+    try:
+        dev, ino = (int(x) for x in env.get("JOURNAL_STREAM", "").split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
 class RotatingTee:
     """structlog's logger: each rendered line to the stream and to a size-rotated file. The file never
     fails the daemon: while it cannot be written (a full or read-only disk) lines go to the stream
@@ -54,6 +69,7 @@ class RotatingTee:
         self._file = None
         self._retry_at = 0.0
         self._failing = False
+        self.journal = is_journal(stream)  # under systemd: each line carries its level's syslog priority
         if path is not None:              # None: the stream only (a daemon that may not touch the run)
             path.parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", buffering=1)
@@ -99,14 +115,30 @@ class RotatingTee:
             except OSError:
                 pass                      # its unwritten buffer goes with it
 
-    def msg(self, line: str) -> None:
+    def _write(self, line: str, level: str) -> None:
         self._to_file(line)
         try:
-            print(line, file=self.stream, flush=True)
+            print(f"<{_PRIORITY[level]}>{line}" if self.journal else line, file=self.stream, flush=True)
         except (OSError, ValueError):
             pass          # a closed stdout (journald restarted, a pipe's reader gone) never ends the daemon
 
-    debug = info = warning = error = critical = msg
+    def msg(self, line: str) -> None:
+        self._write(line, "info")
+
+    def debug(self, line: str) -> None:
+        self._write(line, "debug")
+
+    def info(self, line: str) -> None:
+        self._write(line, "info")
+
+    def warning(self, line: str) -> None:
+        self._write(line, "warning")
+
+    def error(self, line: str) -> None:
+        self._write(line, "error")
+
+    def critical(self, line: str) -> None:
+        self._write(line, "critical")
 
     def reopen(self) -> None:
         """Closes the file; the next line opens it again by name: after logrotate moved it, writing

@@ -23,3 +23,33 @@ def test_every_line_has_the_common_fields_first_and_rotation_keeps_n_files(tmp_p
     assert all(p.stat().st_size <= 400 for p in tmp_path.iterdir())
     kept = [l for name in reversed(files) for l in (tmp_path / name).read_text().splitlines()]
     assert kept == lines[-len(kept):]                 # the newest lines, in order; the oldest dropped
+
+
+def test_under_journald_each_stream_line_carries_its_level_as_a_syslog_priority(tmp_path, monkeypatch):
+    import os
+
+    from daemon.eventlog import EventLog
+
+    out = tmp_path / "journal"
+    with open(out, "w") as stream:
+        st = os.fstat(stream.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{st.st_dev}:{st.st_ino}")
+        log = EventLog(tmp_path / "events.jsonl", "r", stream)
+        log.emit("crash", level="error", rank=1)
+        log.emit("progress", step=3)
+        log.emit("stopping", level="warning")
+        log.close()
+    lines = out.read_text().splitlines()
+    assert [l[:4] for l in lines] == ["<3>{", "<6>{", "<4>{"]
+    assert all(not l.startswith("<") for l in (tmp_path / "events.jsonl").read_text().splitlines())
+
+
+def test_not_under_journald_the_stream_gets_plain_json(tmp_path, monkeypatch):
+    from daemon.eventlog import EventLog
+
+    monkeypatch.setenv("JOURNAL_STREAM", "1:2")
+    out = tmp_path / "stream"
+    with open(out, "w") as stream:
+        log = EventLog(None, "r", stream)
+        log.emit("crash", level="error")
+    assert out.read_text().startswith('{"ts"')
