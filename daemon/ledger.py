@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from daemon.protocol import StepEvent
 from daemon.state import RunState, StateCorruptError, set_aside
 
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
+STEP_TIMES_KEPT = 50        # recent step times whose mean is status's ETA
 SAVE_RETRY_S = 5.0          # an unsaved state.json is tried again this often
 
 
@@ -34,6 +36,7 @@ class Ledger:
         self.total_steps = total_steps
         self.state = self._load()
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range [a, b)
+        self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
         self.unsaved_since: float | None = None   # state.json could not be written since then
         self._retried_at = 0.0
@@ -70,6 +73,7 @@ class Ledger:
         """This daemon now runs the run: its pid, the run's length and where its logs are, saved."""
         self.state.processes = []
         self.state.daemon_pid, self.state.total_steps, self.state.log_dir = os.getpid(), total_steps, str(log_dir)
+        self.state.started_unix_s = self.state.started_unix_s or time.time()   # the run's first daemon
         self.save()
 
     def next_generation(self) -> int:
@@ -161,9 +165,12 @@ class Ledger:
             taken.append(req)
         return taken
 
-    def progress(self, ev: StepEvent, *, log: bool, notify: bool) -> None:
+    def progress(self, ev: StepEvent, *, log: bool, notify: bool, compiled: bool = False) -> None:
         """A step of the watched rank: its sample range (a later skip's source) and the metrics always;
-        systemd's STATUS= and a `progress` event (with state.json's last_progress) when asked."""
+        systemd's STATUS= and a `progress` event (with state.json's last_progress) when asked. The
+        mean of the last STEP_TIMES_KEPT step times (never a compiling first step) makes status's ETA."""
+        if not compiled:
+            self.step_times.append(ev.step_s)
         # re-inserted (a replayed step moves to the end), so the first key is always the oldest seen
         self.sample_ranges.pop(ev.step, None)
         self.sample_ranges[ev.step] = (ev.sample_start, ev.sample_end)
@@ -176,7 +183,9 @@ class Ledger:
                                f"generation {self.state.generation}")
         # always in memory, so that every save (a commit, a pause, a stop, the exit) records the last step
         self.state.last_progress = {"step": ev.step, "loss": ev.loss, "lr": ev.lr, "tokens": ev.tokens,
-                                    "tokens_per_s": ev.tokens_per_s, "unix_s": time.time()}
+                                    "tokens_per_s": ev.tokens_per_s, "unix_s": time.time(),
+                                    "mean_step_s": sum(self.step_times) / len(self.step_times)
+                                    if self.step_times else None}
         if log:
             self.emit("progress", step=ev.step, loss=ev.loss, lr=ev.lr, tokens_per_s=round(ev.tokens_per_s, 1),
                       skipped=ev.skipped)

@@ -55,6 +55,7 @@ class RunState:
     total_steps: int = 0                 # train.steps of the run
     last_progress: dict[str, Any] = dataclasses.field(default_factory=dict)   # step, loss, tokens_per_s, unix_s
     daemon_pid: int = 0
+    started_unix_s: float = 0.0          # when the run's first daemon began (status: elapsed)
     updated_unix_s: float = 0.0
 
     @classmethod

@@ -33,16 +33,42 @@ def _daemon_alive(state: RunState) -> bool:
     return True
 
 
+def _unsupervised(state: RunState) -> list[int]:
+    """Recorded processes of the run still alive (same pid and start time) although its daemon is not."""
+    from daemon.generation import start_ticks
+
+    return [p["pid"] for p in state.processes if start_ticks(p["pid"]) == p.get("start_ticks")]
+
+
+def _eta_s(state: RunState, alive: bool) -> float | None:
+    """The mean time of the last steps (never a compiling first step) times the steps left."""
+    p = state.last_progress or {}
+    mean = p.get("mean_step_s")
+    if not alive or state.status != "running" or not mean or not state.total_steps or p.get("step") is None:
+        return None
+    return max(0, state.total_steps - p["step"]) * mean
+
+
+def _in_force(state: RunState) -> dict[str, Any] | None:
+    """What recovery changed for the steps to come: lr cuts, the loss-scale cap, skipped and quarantined data."""
+    r = state.recovery
+    if r is None:
+        return None
+    out = {"lr_overrides": [o.to_dict() for o in r.lr_overrides], "skip_ranges": len(r.skip_ranges),
+           "quarantined_blocks": len(r.quarantined_blocks)}
+    if r.loss_scale_cap is not None:
+        out["loss_scale_cap"] = {"scale": r.loss_scale_cap, "until_step": r.loss_scale_cap_until_step}
+    return out
+
+
 def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
     state = RunState.load(run_dir)
     alive = _daemon_alive(state)
-    status = state.status if alive or state.status not in ("running", "restarting", "paused") else \
+    status = state.status if alive or state.status not in ("running", "restarting", "paused", "pausing") else \
         f"{state.status} (daemon not running)"
     p = state.last_progress or {}
-    eta_s = None
-    if p.get("tokens_per_s") and p.get("tokens") and state.total_steps and alive:
-        eta_s = (state.total_steps - p["step"]) * p["tokens"] / p["tokens_per_s"]
+    eta_s = _eta_s(state, alive)
     steps = layout.committed_steps(run_dir / "checkpoints")
     last_ckpt = None
     if steps:
@@ -64,7 +90,11 @@ def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
                 "name": state.last_control["name"], "age_s": round(now - state.last_control["unix_s"], 1),
                 "reason": state.last_control.get("reason")},
             "checkpoints_failing_since_step": state.checkpoints_failing_since,
-            "recovery": state.recovery.to_dict() if state.recovery else None}
+            "recovery": state.recovery.to_dict() if state.recovery else None,
+            "in_force": _in_force(state),
+            "elapsed_s": round(now - state.started_unix_s, 1) if state.started_unix_s else None,
+            "mean_step_s": p.get("mean_step_s"),
+            "unsupervised_pids": [] if alive else _unsupervised(state)}
 
 
 def _duration(seconds: float | None) -> str:
@@ -86,7 +116,9 @@ def render(s: dict[str, Any]) -> str:
             ("step", step),
             ("loss", "-" if s["loss"] is None else f"{s['loss']:.4f}"),
             ("tokens/s", "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"),
-            ("ETA", _duration(s["eta_s"])),
+            ("ETA", "paused" if s["status"] == "paused" else _duration(s["eta_s"])
+             + (f"  ({s['mean_step_s']:.3f} s/step, recent mean)" if s["eta_s"] is not None else "")),
+            ("elapsed", _duration(s["elapsed_s"])),
             ("generation", str(s["generation"])),
             ("restarts", str(s["restarts"])),
             ("last incident", "none" if inc is None else
@@ -101,8 +133,25 @@ def render(s: dict[str, Any]) -> str:
                                     "events: a full or read-only disk?)"))
     if s["config_changes"]:
         rows.append(("config changes", ", ".join(f"{k}={v}" for k, v in s["config_changes"].items())))
+    rows += _in_force_rows(s["in_force"])
+    if s["unsupervised_pids"]:
+        rows.append(("WARNING", f"the daemon is not running but processes of this run are: pids "
+                                f"{', '.join(map(str, s['unsupervised_pids']))} (start the daemon: it reaps them)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _in_force_rows(f: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not f:
+        return []
+    rows = [("lr override", f"x{o['factor']:g} from step {o['start_step']}, held {o['hold_steps']}, ramped back over "
+                            f"{o['ramp_steps']}") for o in f["lr_overrides"]]
+    if f.get("loss_scale_cap"):
+        rows.append(("loss scale cap", f"{f['loss_scale_cap']['scale']:g} until step {f['loss_scale_cap']['until_step']}"))
+    if f["skip_ranges"] or f["quarantined_blocks"]:
+        rows.append(("data", f"{f['skip_ranges']} skipped sample window(s), {f['quarantined_blocks']} quarantined "
+                             "corpus block(s)"))
+    return rows
 
 
 # logs ---------------------------------------------------------------------

@@ -191,7 +191,7 @@ class Supervisor:
             elif isinstance(e, watch.Status):
                 ledger.set_status(e.status, e.text)
             elif isinstance(e, watch.Progress):
-                ledger.progress(e.event, log=e.log, notify=e.notify)
+                ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
             elif isinstance(e, watch.Warned):
                 ledger.warn(e.incident)
             elif isinstance(e, watch.CheckpointFailed):

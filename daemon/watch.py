@@ -79,6 +79,7 @@ class Progress:
     event: StepEvent
     log: bool
     notify: bool
+    compiled: bool = False        # the generation's first step: its time is compilation, not a step time
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,11 +211,12 @@ class Watch:
                 self._maybe_paused(ev.step, now)
         elif isinstance(ev, StepEvent):
             p.phase, p.step = "train", ev.step
-            if ev.rank in self._first_step_seen:     # a generation's first step compiles: not a step time
+            compiled = ev.rank not in self._first_step_seen   # a generation's first step compiles: not a step time
+            if not compiled:
                 self.step_times.add(ev.step_s)
             self._first_step_seen.add(ev.rank)
             if ev.rank == self.watched:
-                self._observe(ev, now)
+                self._observe(ev, now, compiled)
             self._judge(self.stragglers.observe(ev), ev.step)
         elif isinstance(ev, CheckpointEvent):
             self._checkpoint(ev)
@@ -241,13 +243,13 @@ class Watch:
                      Note("paused", fields={"step": step, "rank_steps": {r: q.step for r, q in self.progress.items()},
                                             "release_after_s": self.cfg.run.pause_release_after_s}))
 
-    def _observe(self, ev: StepEvent, now: float) -> None:
+    def _observe(self, ev: StepEvent, now: float, compiled: bool = False) -> None:
         self.last_step = ev.step
         notify = now - self._status_at >= STATUS_EVERY_S
         log = now - self._logged_at >= PROGRESS_LOG_EVERY_S or ev.step == self.cfg.train.steps
         self._status_at = now if notify else self._status_at
         self._logged_at = now if log else self._logged_at
-        self._do(Progress(ev, log=log, notify=notify))
+        self._do(Progress(ev, log=log, notify=notify, compiled=compiled))
         if self._incident is None:
             self._judge(self.monitor.observe(ev), ev.step)
 
