@@ -129,6 +129,7 @@ class Ledger:
 
     def set_status(self, status: str, text: str = "") -> None:
         self.state.status = status
+        self.metrics.update(status=status)
         self.save()
         if text:
             self.notify.status(text)
@@ -137,6 +138,8 @@ class Ledger:
         """The daemon ends with `code`: its status saved, a `daemon_exit` event."""
         self.set_status(status)
         self.emit("daemon_exit", level=level, code=int(code), reason=reason, **fields)
+        self.metrics.update(up=0, exit_code=int(code))     # the textfile says the daemon is gone, and how
+        self.metrics.flush(force=True)
         return code
 
     def record(self, record: IncidentRecord, event: str, level: str) -> None:
@@ -176,7 +179,8 @@ class Ledger:
         self.sample_ranges[ev.step] = (ev.sample_start, ev.sample_end)
         if len(self.sample_ranges) > SAMPLE_RANGES_KEPT:
             del self.sample_ranges[next(iter(self.sample_ranges))]
-        self.metrics.update(step=ev.step, loss=ev.loss, tokens_per_s=ev.tokens_per_s)
+        self.metrics.update(step=ev.step, loss=ev.loss, tokens_per_s=ev.tokens_per_s,
+                            tokens_total=self.metrics.tokens_total + ev.tokens)
         self.metrics.flush()
         if notify:
             self.notify.status(f"step {ev.step}/{self.total_steps} loss {ev.loss:.4f} {ev.tokens_per_s:.0f} tokens/s "

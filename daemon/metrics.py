@@ -1,10 +1,14 @@
 """Metrics for dashboards in Prometheus' text exposition format: on a loopback HTTP port
 (`run.metrics_port`), and/or as a node-exporter textfile (`run.metrics_textfile`).
 
-Owns: the values the supervisor updates (step, loss, tokens/s, generation,
-restarts, incidents by kind, when the last checkpoint was committed), their
-rendering, the HTTP endpoint (a daemon thread; GET /metrics) and the
-textfile's atomic rewrite.
+Owns: the values the supervisor updates (step, loss, tokens/s and in all,
+generation, restarts, incidents by kind — every kind from the start, at 0 —,
+when the last checkpoint was committed, the run's state, whether the daemon
+is up and how it exited), their rendering, the HTTP endpoint (a daemon
+thread; GET /metrics) and the textfile's atomic rewrite. The exposition format
+is written here rather than with prometheus_client: a dozen series need ~150
+lines of stdlib, the textfile goes through the project's one atomic writer,
+and the daemon takes no dependency for it.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ from collections import Counter
 from pathlib import Path
 
 from checkpointing import layout
+from daemon.incidents import Kind
 from durable import write_atomically
 
 PREFIX = "llm_pretrain"
+STATES = ("new", "running", "pausing", "paused", "restarting", "finished", "stopped", "gave_up", "failed")
 
 
 class MetricsPortError(RuntimeError):
@@ -35,6 +41,11 @@ class Metrics:
         self.incidents: Counter[str] = Counter()
         self.last_checkpoint_unix_s: float | None = None
         self.checkpoints_failing_since_step = 0
+        self.tokens_total = 0
+        self.status = "new"
+        self.up = 1                       # 0 once the daemon has exited (the textfile outlives it)
+        self.exit_code: int | None = None
+        self.info: dict[str, str] = {}    # version, config_hash
         self._lock = threading.Lock()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._textfile: Path | None = None
@@ -50,29 +61,38 @@ class Metrics:
             self.incidents[kind] += 1
 
     def render(self, now: float | None = None) -> str:
-        now = time.time() if now is None else now
         label = f'run="{self.run}"'
         with self._lock:
-            since = now - self.last_checkpoint_unix_s if self.last_checkpoint_unix_s is not None else float("nan")
+            last = self.last_checkpoint_unix_s if self.last_checkpoint_unix_s is not None else float("nan")
             rows = [
-                ("step", "gauge", "optimizer steps completed", self.step, ""),
-                ("loss", "gauge", "training loss of the latest step", self.loss, ""),
-                ("tokens_per_second", "gauge", "training throughput, all ranks", self.tokens_per_s, ""),
-                ("generation", "gauge", "generations started (restarts + 1)", self.generation, ""),
-                ("restarts_total", "counter", "restarts after incidents", self.restarts, ""),
-                ("seconds_since_checkpoint", "gauge", "seconds since the last committed checkpoint", since, ""),
+                ("up", "gauge", "1 while the daemon runs; 0 once it has exited", self.up),
+                ("step", "gauge", "optimizer steps completed", self.step),
+                ("loss", "gauge", "training loss of the latest step", self.loss),
+                ("tokens_per_second", "gauge", "training throughput, all ranks", self.tokens_per_s),
+                ("tokens_total", "counter", "tokens trained on by this daemon's generations, all ranks",
+                 self.tokens_total),
+                ("generation", "gauge", "generations started (restarts + 1)", self.generation),
+                ("restarts_total", "counter", "restarts after incidents", self.restarts),
+                ("last_checkpoint_timestamp_seconds", "gauge", "Unix time of the last committed checkpoint", last),
                 ("checkpoints_failing_since_step", "gauge",
                  "the step of the first failed save since the last commit (0: saves succeed)",
-                 self.checkpoints_failing_since_step, ""),
+                 self.checkpoints_failing_since_step),
             ]
-            incidents = dict(self.incidents)
+            if self.exit_code is not None:
+                rows.append(("exit_code", "gauge", "the daemon's exit status (see the README's table)", self.exit_code))
+            incidents, status, info = dict(self.incidents), self.status, dict(self.info)
         out = []
-        for name, kind, help_text, value, _ in rows:
+        for name, kind, help_text, value in rows:
             out += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} {kind}",
                     f"{PREFIX}_{name}{{{label}}} {_number(value)}"]
+        out += [f"# HELP {PREFIX}_state the run's state: 1 for the current one", f"# TYPE {PREFIX}_state gauge"]
+        out += [f'{PREFIX}_state{{{label},state="{s}"}} {int(s == status)}' for s in STATES]
+        extra = "".join(f',{k}="{v}"' for k, v in sorted(info.items()))
+        out += [f"# HELP {PREFIX}_info the build and the config's trajectory hash", f"# TYPE {PREFIX}_info gauge",
+                f"{PREFIX}_info{{{label}{extra}}} 1"]
         out += [f"# HELP {PREFIX}_incidents_total incidents by kind (warnings included)",
                 f"# TYPE {PREFIX}_incidents_total counter"]
-        out += [f'{PREFIX}_incidents_total{{{label},kind="{k}"}} {v}' for k, v in sorted(incidents.items())]
+        out += [f'{PREFIX}_incidents_total{{{label},kind="{k.value}"}} {incidents.get(k.value, 0)}' for k in Kind]
         return "\n".join(out) + "\n"
 
     # outputs -----------------------------------------------------------------
@@ -113,10 +133,20 @@ class Metrics:
             self._written_at = now
             write_atomically(self._textfile, self.render())
 
-    def start(self, run, state, ckpt_root: Path) -> str | None:
-        """Seeds the values from the run so far (`state`: daemon.state.RunState; `run`: the config's
-        RunConfig), opens the textfile and the endpoint; returns the endpoint's URL, if any.
+    def start(self, cfg, state, ckpt_root: Path) -> str | None:
+        """Seeds the values from the run so far (`state`: daemon.state.RunState; `cfg`: the config),
+        opens the textfile and the endpoint; returns the endpoint's URL, if any.
         Raises MetricsPortError when the port cannot be listened on."""
+        from importlib import metadata
+
+        from engine.config import config_hash
+
+        run = cfg.run
+        try:
+            version = metadata.version("llm-pretrain")
+        except metadata.PackageNotFoundError:
+            version = "unknown"
+        self.update(info={"version": version, "config_hash": config_hash(cfg)}, status=state.status)
         steps = layout.committed_steps(ckpt_root)
         if steps:
             self.update(last_checkpoint_unix_s=layout.step_dir(ckpt_root, steps[-1]).stat().st_mtime, step=steps[-1])

@@ -87,7 +87,7 @@ class Supervisor:
         try:
             control.ensure(self.control.path)
             watcher = self.control.watch()
-            metrics_url = ledger.metrics.start(self.cfg.run, self.state, self.files.ckpt_root)
+            metrics_url = ledger.metrics.start(self.cfg, self.state, self.files.ckpt_root)
             self.cfg = with_changes(self.base_cfg, self.state.config_changes)
             self.memcg_parent = memcg.locate() if self.cfg.run.worker_memory_limit_bytes else None
         except (control.ControlDirError, memcg.CgroupError, ConfigError, MetricsPortError) as e:

@@ -45,9 +45,16 @@ def test_metrics_are_served_while_running_and_left_in_the_textfile(tmp_path):
     assert _value(scraped, "restarts_total") == 1
     assert _value(scraped, "incidents_total", 'run="tiny",kind="crash"') == 1
     assert _value(scraped, "loss") > 0 and _value(scraped, "tokens_per_second") > 0
-    assert 0 <= _value(scraped, "seconds_since_checkpoint") < 10
+    assert 0 <= time.time() - _value(scraped, "last_checkpoint_timestamp_seconds") < 10
+    assert _value(scraped, "tokens_total") > 0 and _value(scraped, "up") == 1
+    assert _value(scraped, "state", 'run="tiny",state="running"') == 1
+    assert _value(scraped, "state", 'run="tiny",state="paused"') == 0
+    assert _value(scraped, "incidents_total", 'run="tiny",kind="loss_spike"') == 0      # every kind, from the start
+    assert re.search(r'^llm_pretrain_info\{run="tiny",config_hash="[0-9a-f]{16}",version="[^"]+"\} 1$', scraped, re.M)
     final = textfile.read_text()
     assert _value(final, "step") == 120 and "# TYPE llm_pretrain_restarts_total counter" in final
+    assert _value(final, "up") == 0 and _value(final, "exit_code") == 0                  # the daemon's exit, marked
+    assert _value(final, "state", 'run="tiny",state="finished"') == 1
 
 
 def test_a_busy_metrics_port_is_a_config_error(tmp_path):

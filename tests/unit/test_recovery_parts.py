@@ -229,7 +229,7 @@ def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
 
     state = RunState(status="running", generation=2, restarts=1, daemon_pid=os.getpid(), total_steps=1000,
                      last_progress={"step": 400, "loss": 2.5, "tokens": 512, "tokens_per_s": 1024.0,
-                                    "unix_s": 995.0},
+                                    "unix_s": 995.0, "mean_step_s": 0.5},
                      incidents=[IncidentRecord(
                          incident=Incident(kind=Kind.LOSS_SPIKE, first_step=300, last_step=303), generation=1,
                          unix_s=900.0, action=Rollback("roll back to 280", checkpoint_step=280, skip=None,
