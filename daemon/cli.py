@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="the daemon: start this node's ranks, watch them, bring them back")
     _add_config_args(run)
+    run.add_argument("--log-format", choices=("auto", "console", "json"), default="auto",
+                     help="the stream's events: one line each for people (console: the default on a terminal) "
+                          "or JSON (elsewhere: journald, pipes); events.jsonl is always JSON")
 
     _add_operations(sub)
     _add_tools(sub)
@@ -141,7 +144,9 @@ def _add_tools(sub) -> None:
     export.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a checkpoint directory (…/checkpoints/step-N), or a run (its newest checkpoint)")
     export.add_argument("--format", choices=("hf", "mindformers"), required=True)
-    export.add_argument("-o", "--output", required=True, metavar="DIR", help="the directory to write")
+    export.add_argument("-o", "--output", required=True, metavar="DIR",
+                        help="the directory to write (hf: with the run's tokenizer files where it is known)")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
 
     imp = sub.add_parser("import-config", help="map a mindformers model/training YAML onto this project's TOML")
     imp.add_argument("yaml", metavar="YAML", help="a mindformers YAML (model, runner, parallel, lr schedule …)")
@@ -233,7 +238,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
     worker_cmd = [sys.executable, "-m", "daemon.cli", "train"]
     scheduler_cmd = [sys.executable, "-m", "engine.scheduler"]
-    return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd).run()
+    stream = None
+    if args.log_format == "console" or (args.log_format == "auto" and sys.stdout.isatty()):
+        from daemon.console import ConsoleStream
+
+        stream = ConsoleStream(sys.stdout)
+    return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd, stream=stream).run()
 
 
 _QUEUE_HELP = "leave the request for the run's next daemon when none is running (default: refuse, exit 69)"
@@ -313,17 +323,24 @@ def _resolve_checkpoint(text: str):
 def _cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    checkpoint = _resolve_checkpoint(args.checkpoint)
-    if args.format == "hf":
-        from engine import hf
+    from engine import hf
 
-        info = hf.export(checkpoint, Path(args.output))
+    hf.check_output(Path(args.output), args.overwrite)      # before hashing the checkpoints
+    checkpoint = _resolve_checkpoint(args.checkpoint)
+    fallback = None if checkpoint == Path(args.checkpoint) else hf.passed_over(checkpoint)
+    if fallback:
+        print(f"llm-pretrain: warning: {fallback}", file=sys.stderr)
+    if args.format == "hf":
+        info = hf.export(checkpoint, Path(args.output), overwrite=args.overwrite)
+        if info["tokenizer_note"]:
+            print(f"llm-pretrain: no tokenizer files exported: {info['tokenizer_note']}", file=sys.stderr)
     else:
         from engine import mindformers
 
-        info = mindformers.export(checkpoint, Path(args.output))
-    print(f"exported {checkpoint} as {args.format}: {info['tensors']} tensors, {info['parameters']:,} parameters "
-          f"-> {args.output}")
+        info = mindformers.export(checkpoint, Path(args.output), overwrite=args.overwrite)
+    tokenizer = f" with the {info['tokenizer']} tokenizer" if info.get("tokenizer") else ""
+    print(f"exported {checkpoint} as {args.format}: {info['tensors']} tensors, {info['parameters']:,} parameters"
+          f"{tokenizer} -> {args.output}")
     return ExitCode.OK
 
 

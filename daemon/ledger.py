@@ -191,6 +191,8 @@ class Ledger:
                                     "mean_step_s": sum(self.step_times) / len(self.step_times)
                                     if self.step_times else None}
         if log:
-            self.emit("progress", step=ev.step, loss=ev.loss, lr=ev.lr, tokens_per_s=round(ev.tokens_per_s, 1),
-                      skipped=ev.skipped)
+            mean = self.state.last_progress["mean_step_s"]
+            eta = round(max(0, self.total_steps - ev.step) * mean, 1) if mean and self.total_steps else None
+            self.emit("progress", step=ev.step, total_steps=self.total_steps or None, loss=ev.loss, lr=ev.lr,
+                      tokens_per_s=round(ev.tokens_per_s, 1), eta_s=eta, skipped=ev.skipped)
             self.save()

@@ -98,11 +98,9 @@ def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    return f"{h}h{rest // 60:02d}m" if h else f"{rest // 60}m{rest % 60:02d}s"
+    from daemon.console import duration
+
+    return duration(seconds)
 
 
 def render(s: dict[str, Any]) -> str:
@@ -164,11 +162,10 @@ def _matches(record: dict, *, level: str | None, events: list[str], rank: int | 
 
 
 def pretty(record: dict) -> str:
-    head = f"{record.get('ts', '')}  {record.get('level', ''):<7}  g{record.get('generation', '')}  " \
-           f"{record.get('event', '')}"
-    rest = " ".join(f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in record.items()
-                    if k not in ("ts", "level", "event", "run", "generation"))
-    return f"{head}  {rest}"
+    """One line: floats rounded, long values (evidence) folded; `--json` gives the record whole."""
+    from daemon.console import human
+
+    return human(record, full_time=True)
 
 
 def _lines(path: Path, follow: bool, poll_s: float = 0.25) -> Iterator[str]:

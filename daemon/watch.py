@@ -207,6 +207,9 @@ class Watch:
         p.since_s = now
         if isinstance(ev, PhaseEvent):
             p.phase, p.step = ev.phase, ev.step or p.step
+            if ev.phase == "compile" and ev.rank == self.watched:
+                self._do(Note("compiling", fields={"step": ev.step, "detail": "the first step compiles the step "
+                                                   "graph: seconds to a minute on CPU, minutes on Ascend"}))
             if ev.phase == "paused":
                 self._maybe_paused(ev.step, now)
         elif isinstance(ev, StepEvent):

@@ -1,0 +1,38 @@
+"""Events for people: one line each, progress with step/total, loss, tokens/s and ETA, floats rounded,
+long evidence folded; on a terminal the daemon's stream renders them, events.jsonl stays JSON."""
+import io
+import json
+
+from daemon.console import FOLD, ConsoleStream, human
+from daemon.eventlog import EventLog
+
+
+def test_progress_reads_as_a_progress_line():
+    line = human({"ts": "2026-11-30T21:30:05.123Z", "level": "info", "event": "progress", "run": "tiny",
+                  "generation": 2, "step": 120, "total_steps": 200, "loss": 2.345678, "lr": 0.0003,
+                  "tokens_per_s": 12345.6, "eta_s": 80.0, "skipped": False})
+    assert line == "21:30:05 INFO    g2 progress           step 120/200  loss 2.3457  lr 3.00e-04  12,346 tokens/s  ETA 1m20s"
+
+
+def test_other_events_round_floats_and_fold_long_values():
+    evidence = {"median": 2.123456789, "recent": [2.0 + i / 1000 for i in range(60)]}
+    line = human({"ts": "2026-11-30T21:30:05.123Z", "level": "error", "event": "incident_detected",
+                  "generation": 1, "kind": "loss_spike", "step": 205, "evidence": evidence}, full_time=True)
+    assert line.startswith("2026-11-30T21:30:05.123Z ERROR   g1 incident_detected  kind=loss_spike step=205 evidence=")
+    assert '"median":2.123' in line and line.endswith("…") and len(line.split("evidence=")[1]) == FOLD + 1
+
+
+def test_colour_only_when_asked_and_by_level():
+    record = {"ts": "2026-11-30T21:30:05.123Z", "level": "warning", "event": "stopping", "generation": 1}
+    assert human(record, colour=True).startswith("\x1b[33m") and "\x1b" not in human(record)
+
+
+def test_the_daemon_stream_on_a_terminal_is_human_and_the_file_stays_json(tmp_path):
+    out = io.StringIO()
+    log = EventLog(tmp_path / "events.jsonl", "tiny", ConsoleStream(out, colour=False))
+    log.emit("progress", step=3, total_steps=10, loss=2.0, lr=1e-3, tokens_per_s=100.0, eta_s=7.0)
+    log.emit("crash", level="error", rank=1, cause="exit code 1")
+    log.close()
+    shown = out.getvalue().splitlines()
+    assert "step 3/10  loss 2.0000" in shown[0] and shown[1].endswith("crash              rank=1 cause=exit code 1")
+    assert [json.loads(l)["event"] for l in (tmp_path / "events.jsonl").read_text().splitlines()] == ["progress", "crash"]
