@@ -61,6 +61,8 @@ class Incident:
                                "action_needed": self.needs_action, "evidence": dict(self.evidence)}
         if self.kind.is_process_fault:
             out.update(step=self.first_step, rank=self.rank, exit_code=self.exit_code)
+        elif self.rank is not None:
+            out["rank"] = self.rank              # `logs --rank R` finds it
         if self.detail:
             out["detail"] = self.detail
         if self.storm_start_scale is not None:

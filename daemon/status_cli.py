@@ -83,7 +83,8 @@ def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
             "last_incident": None if incident is None else {
                 "kind": incident.kind.value, "first_step": incident.incident.first_step,
                 "action": incident.action.to_dict()["type"] if incident.action else None,
-                "reason": incident.action.reason if incident.action else incident.incident.detail},
+                "reason": incident.action.reason if incident.action else incident.incident.detail,
+                "drill": "drill" in incident.incident.evidence},
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
             "config_changes": state.config_changes or None,
             "last_request": None if not state.last_control else {
@@ -120,7 +121,8 @@ def render(s: dict[str, Any]) -> str:
             ("generation", str(s["generation"])),
             ("restarts", str(s["restarts"])),
             ("last incident", "none" if inc is None else
-             f"{inc['kind']} at step {inc['first_step']} -> {inc['action'] or 'warning'}: {inc['reason'] or ''}"),
+             f"{inc['kind']}{' (drill)' if inc.get('drill') else ''} at step {inc['first_step']} -> "
+             f"{inc['action'] or 'warning'}: {inc['reason'] or ''}"),
             ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
     req = s["last_request"]
     if req:

@@ -34,6 +34,13 @@ PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progres
 FINAL_WORKER_CODES = frozenset({ExitCode.USAGE, ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR})
 
 
+# The incidents each fault drill is expected to cause (a drill's incident is labelled as such).
+DRILL_KINDS = {"nan": {Kind.NON_FINITE, Kind.OVERFLOW_STORM},
+               "spike": {Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.GRAD_NORM_BURST},
+               "hang": {Kind.HANG}, "crash": {Kind.CRASH}, "oom": {Kind.OOM},
+               "slow": {Kind.STRAGGLER, Kind.THROUGHPUT_REGRESSION, Kind.HANG}}
+
+
 class Pause(enum.Enum):
     RUNNING = "running"
     PAUSING = "pausing"        # `pause` sent; waiting for every rank to hold at the agreed step
@@ -182,6 +189,7 @@ class Watch:
         self._exit_reasons: dict[int, tuple[str, int]] = {}
         self._exits: dict[int, _Exit] = {}
         self._incident: Incident | None = None
+        self._drills: list[dict[str, Any]] = []      # inject commands sent to this generation
         self._status_at = self._logged_at = -1e18
         self._effects: list[Effect] = []
         if stop_reason:
@@ -262,7 +270,7 @@ class Watch:
             if self._incident is not None:
                 return
             if not incident.needs_action:
-                self._do(Warned(incident))
+                self._do(Warned(self._labelled(incident)))
                 continue
             self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": step,
                                                          "first_step": incident.first_step,
@@ -308,6 +316,8 @@ class Watch:
                 return
             self._move(Pause.RUNNING)
             self._do(Status("running"))
+        elif request.name == "inject":
+            self._drills.append(dict(args))
         self._do(Send(verb.command, args))
 
     def request_stop(self, reason: str, now: float, *, force: bool = False) -> None:
@@ -322,6 +332,18 @@ class Watch:
 
     # The judgement --------------------------------------------------------------------------
     def tick(self, now: float) -> Outcome | None:
+        out = self._tick(now)
+        return Failed(self._labelled(out.incident)) if isinstance(out, Failed) else out
+
+    def _labelled(self, incident: Incident) -> Incident:
+        """An incident a fault drill of this generation explains says so (evidence `drill`)."""
+        for drill in reversed(self._drills):
+            if incident.kind in DRILL_KINDS.get(drill.get("fault"), ()):
+                return dataclasses.replace(incident, evidence={**incident.evidence, "drill": drill},
+                                           detail=f"{incident.detail} (a {drill['fault']} drill)".lstrip())
+        return incident
+
+    def _tick(self, now: float) -> Outcome | None:
         if self._incident is not None:
             return Failed(self._incident)
         if self.stop_sent_at is not None and (self.forced or now - self.stop_sent_at > self.cfg.run.stop_timeout_s):

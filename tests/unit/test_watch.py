@@ -333,3 +333,19 @@ def test_a_straggler_is_warned_about_and_ends_the_generation_only_when_set_to_re
     slow_rank_1(w, 80)
     out = w.tick(81.0)
     assert isinstance(out, Failed) and out.incident.kind is Kind.STRAGGLER and out.incident.rank == 1
+
+
+def test_an_incident_a_drill_explains_is_labelled_as_a_drill():
+    drills = load_config(None, ["health.allow_fault_injection=true", "parallel.dp=2", "train.micro_batch=4"])
+    w = make(drills)
+    t = steps(w, 1, 10, 1.0)
+    w.on_control(Request("inject", {"fault": "crash", "rank": 1, "at_step": 12}, "inject"), t)
+    steps(w, 11, 11, t)
+    w.on_exit(1, -signal.SIGKILL, t + 1)
+    out = w.tick(t + 1)
+    assert out.incident.kind is Kind.CRASH and out.incident.evidence["drill"]["fault"] == "crash"
+    assert out.incident.detail.endswith("(a crash drill)")
+    w = make(drills)                                     # a drill of another kind explains nothing
+    w.on_control(Request("inject", {"fault": "nan", "rank": 1}, "inject"), 1.0)
+    w.on_exit(1, 1, 2.0)
+    assert "drill" not in w.tick(2.0).incident.evidence
