@@ -8,7 +8,10 @@ default paths; rendering replaces whole `Key=` lines, nothing else.
 """
 from __future__ import annotations
 
+import grp
 import os
+import pwd
+import stat
 import sys
 from pathlib import Path
 
@@ -35,21 +38,25 @@ def _insert_after(text: str, key: str, line: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _in_home(path: str) -> bool:
+    return path == "/root" or path.startswith(("/home/", "/root/"))
+
+
 def render(unit: str, *, venv: str, config: str | None, user: str, read_write: list[str] = (),
-           env_file: str = "/etc/llm-pretrain/ascend.env") -> str:
+           env_file: str = "/etc/llm-pretrain/ascend.env", etc_dir: str = "/etc/llm-pretrain",
+           interpreter: str = "") -> str:
     """The text of `unit` ("llm-pretrain.service" or "llm-pretrain@.service") for this installation."""
     text = (UNITS_DIR / unit).read_text()
     exe = str(Path(venv) / "bin" / "llm-pretrain")
     if unit == "llm-pretrain.service":
         text = _replace(text, "ExecStart", f"{exe} run --config {config or '/etc/llm-pretrain/config.toml'}")
     else:
-        text = _replace(text, "ExecStart", f"{exe} run --config /etc/llm-pretrain/%i.toml --set run.name=%i")
+        text = _replace(text, "ExecStart", f"{exe} run --config {etc_dir}/%i.toml --set run.name=%i")
     text = _replace(text, "EnvironmentFile", f"-{env_file}")
     text = _replace(text, "User", user)
     text = _replace(text, "Group", user)
-    paths = [venv, config or ""]
-    if any(p and (p == "/root" or p.startswith(("/home/", "/root/"))) for p in paths):
-        text = _replace(text, "ProtectHome", "read-only")     # the venv or config lives in a home
+    if any(p and _in_home(p) for p in (venv, config or "", interpreter)):
+        text = _replace(text, "ProtectHome", "read-only")     # the venv, its Python or the config lives in a home
     for path in read_write:
         text = _insert_after(text, "ProtectSystem", f"ReadWritePaths={path}")
     return text
@@ -61,24 +68,57 @@ def install(*, venv: str, config: str | None, user: str, dest: Path, tmpfiles_de
     if not (Path(venv) / "bin" / "llm-pretrain").exists():
         raise ConfigError(f"{venv}/bin/llm-pretrain does not exist; pass --venv the virtual environment "
                           "llm-pretrain is installed in")
-    read_write = []
+    read_write, cfg = [], None
     if config is not None:
         config = os.path.abspath(config)
         cfg = load_config(config)            # validated now, not at 3 a.m.
         for path in (cfg.run.dir, cfg.run.log_dir):
             if path and not path.startswith(("/var/lib/llm-pretrain", "/var/log/llm-pretrain")):
                 read_write.append(os.path.abspath(path))
+    interpreter = str((Path(venv) / "bin" / "python").resolve())
+    for what, path, need in (("the venv's llm-pretrain", Path(venv) / "bin" / "llm-pretrain", stat.S_IXOTH),
+                             ("the venv's base interpreter", Path(interpreter), stat.S_IXOTH),
+                             ("the config", Path(config) if config else None, stat.S_IROTH)):
+        blocked = _blocked_for(user, path, need) if path else None
+        if blocked:
+            fix = ("keep the config where that user can read it (e.g. /etc/llm-pretrain/)" if what == "the config"
+                   else "install the venv with a Python outside any home directory (e.g. /usr/bin/python3 -m venv "
+                        "/opt/llm-pretrain/.venv)")
+            raise ConfigError(f"the service user {user} cannot reach {what} {path}: {blocked}; {fix}, or pass "
+                              "--user a user that can reach it")
     written = []
     for unit in ("llm-pretrain.service", "llm-pretrain@.service"):
         written.append(_write(dest / unit, render(unit, venv=venv, config=config, user=user, read_write=read_write,
-                                                   env_file=str(etc_dir / "ascend.env"))))
+                                                   env_file=str(etc_dir / "ascend.env"), etc_dir=str(etc_dir),
+                                                   interpreter=interpreter)))
     tmpfiles = (UNITS_DIR / "llm-pretrain.tmpfiles.conf").read_text().replace(" llm-pretrain llm-pretrain ",
                                                                            f" {user} {user} ")
     written.append(_write(tmpfiles_dest / "llm-pretrain.conf", tmpfiles))
     env_file = etc_dir / "ascend.env"
-    if not env_file.exists():
+    if cfg is not None and cfg.train.device == "ascend" and not env_file.exists():   # the units read it if present
         written.append(_write(env_file, (UNITS_DIR / "ascend.env").read_text()))
     return written
+
+
+def _blocked_for(user: str, path: Path, need: int) -> str | None:
+    """Why `user` cannot reach `path` (search every directory above it, then `need` on it: S_IXOTH to
+    run, S_IROTH to read), or None. A user not created yet is a new system user: the "other" bits."""
+    try:
+        pw = pwd.getpwnam(user)
+        uid, gids = pw.pw_uid, {pw.pw_gid, *(g.gr_gid for g in grp.getgrall() if user in g.gr_mem)}
+    except KeyError:
+        uid, gids = None, set()
+    if uid == 0:
+        return None
+    for p, bit in [*((d, stat.S_IXOTH) for d in reversed(path.parents)), (path, need)]:
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"{p}: {e.strerror}"
+        shift = 6 if st.st_uid == uid else 3 if st.st_gid in gids else 0
+        if not (st.st_mode >> shift) & bit:
+            return f"{p} is mode {stat.S_IMODE(st.st_mode):04o} (owner uid {st.st_uid})"
+    return None
 
 
 def _write(path: Path, text: str) -> Path:

@@ -4,6 +4,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,36 @@ import pytest
 from daemon.protocol import FINAL_EXIT_CODES
 
 needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-VENV = str(Path(sys.executable).parent.parent)
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+def _fake_venv(parent: Path) -> Path:
+    """What install-service looks at in a venv — bin/llm-pretrain and bin/python — with a Python outside
+    any home, as a production venv has (the test's own venv may hang off a pyenv under /root)."""
+    if not Path(SYSTEM_PYTHON).exists():
+        pytest.skip(f"no {SYSTEM_PYTHON} to build a reachable venv from")
+    venv = parent / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(SYSTEM_PYTHON)
+    exe = venv / "bin" / "llm-pretrain"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    return venv
+
+
+@pytest.fixture(scope="module")
+def reachable_venv():
+    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir="/var/tmp"))
+    base.chmod(0o755)
+    yield str(_fake_venv(base))
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
-def installed(tmp_path, cli, quiet_env):
-    config = tmp_path / "demo.toml"
+def installed(tmp_path, cli, quiet_env, reachable_venv):
+    global VENV
+    VENV = reachable_venv
+    config = Path(reachable_venv).parent / f"{tmp_path.name}.toml"      # readable by the service user
     config.write_text('[run]\nname = "demo"\n')
     done = subprocess.run([*cli, "install-service", "--venv", VENV, "--config", str(config), "--dest",
                            str(tmp_path / "units"), "--tmpfiles-dest", str(tmp_path / "tmpfiles"),
@@ -60,8 +85,9 @@ def test_the_units_encode_the_exit_code_contract_and_the_operating_model(install
                                                                                      "on-failure")
         assert keys["ExecStart"].startswith(f"{VENV}/bin/llm-pretrain run --config ")
         assert keys["User"] == "llm-pretrain" and keys["ProtectSystem"] == "strict"
-    assert "demo.toml" in (installed / "units" / "llm-pretrain.service").read_text()
-    assert (installed / "etc" / "ascend.env").exists() and (installed / "tmpfiles" / "llm-pretrain.conf").exists()
+    assert f"--config {Path(VENV).parent}/{installed.name}.toml" in (installed / "units" / "llm-pretrain.service").read_text()
+    assert not (installed / "etc" / "ascend.env").exists()                    # a cpu config: no Ascend toolkit
+    assert (installed / "tmpfiles" / "llm-pretrain.conf").exists()
 
 
 def test_a_bad_config_is_refused_before_anything_is_written(tmp_path, cli, quiet_env):
@@ -71,3 +97,33 @@ def test_a_bad_config_is_refused_before_anything_is_written(tmp_path, cli, quiet
                            str(tmp_path / "units")], env=quiet_env, capture_output=True, text=True)
     assert done.returncode == 78 and "train.steps" in done.stderr
     assert not (tmp_path / "units").exists()
+
+
+def test_a_venv_or_config_the_service_user_cannot_reach_is_refused_naming_the_blocker(tmp_path, cli, quiet_env,
+                                                                                     reachable_venv):
+    """A venv under a 0700 directory (pytest's own base, like /root) would give a unit that cannot start."""
+    hidden = _fake_venv(tmp_path)
+    args = ["install-service", "--dest", str(tmp_path / "units"), "--tmpfiles-dest", str(tmp_path / "tmpfiles"),
+            "--etc", str(tmp_path / "etc")]
+    done = subprocess.run([*cli, *args, "--venv", str(hidden)], env=quiet_env, capture_output=True, text=True)
+    assert done.returncode == 78 and "cannot reach the venv's llm-pretrain" in done.stderr
+    blocker = next(p for p in [*reversed(tmp_path.parents), tmp_path] if (p.stat().st_mode & 0o001) == 0)
+    assert f"{blocker} is mode" in done.stderr and not (tmp_path / "units").exists()
+    done = subprocess.run([*cli, *args, "--venv", str(hidden), "--user", "root"], env=quiet_env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr                       # root reaches it (not advised: the rating)
+
+
+def test_the_template_reads_etc_and_ascend_env_is_written_only_for_ascend(tmp_path, cli, quiet_env, reachable_venv):
+    base = Path(reachable_venv).parent
+    for device, written in (("cpu", False), ("ascend", True)):
+        config = base / f"{tmp_path.name}-{device}.toml"
+        config.write_text(f'[train]\ndevice = "{device}"\n' + ('precision = "bf16"\n' if device == "ascend" else ""))
+        etc = tmp_path / f"etc-{device}"
+        done = subprocess.run([*cli, "install-service", "--venv", reachable_venv, "--config", str(config),
+                               "--dest", str(tmp_path / device), "--tmpfiles-dest", str(tmp_path / "tmpfiles"),
+                               "--etc", str(etc)], env=quiet_env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        assert (etc / "ascend.env").exists() is written
+        template = (tmp_path / device / "llm-pretrain@.service").read_text()
+        assert f"--config {etc}/%i.toml" in template and f"EnvironmentFile=-{etc}/ascend.env" in template
