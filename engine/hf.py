@@ -1,6 +1,11 @@
 """Hugging Face LLaMA interop: export a checkpoint as `config.json` + `model.safetensors` that
-transformers' `LlamaForCausalLM.from_pretrained` loads, and read such a directory back
+transformers' `LlamaForCausalLM.from_pretrained` loads (plus the run's tokenizer for
+`AutoTokenizer`, where the checkpoint says which it was), and read such a directory back
 (`model.init_from = "hf:DIR"`).
+
+An export directory (this format's and mindformers') appears complete or not at all: it is written
+as `DIR.tmp-<pid>/`, its files made 0644 and directories 0755 whatever the umask, fsynced, then
+renamed into place; an existing non-empty DIR is refused unless overwrite, as prepare-data refuses.
 
 Owns: the config mapping and the weight selection. The model's parameters
 already carry Hugging Face's names and layouts (Linear weights are (out, in),
@@ -9,16 +14,21 @@ tensors — no permutation. numpy and safetensors only: no MindSpore.
 """
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
+import os
+import re
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import safetensors.numpy
 
-from checkpointing import CheckpointError, reader
-from engine.config import ConfigError, ModelConfig
+from checkpointing import CheckpointError, layout, reader
+from engine.config import CantCreateError, ConfigError, DataError, ModelConfig, load_config
 
 MODEL_PREFIXES = ("model.", "lm_head.")
 
@@ -127,14 +137,189 @@ def model_tensors(checkpoint: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]
     return cfg, {k: np.ascontiguousarray(v) for k, v in tensors.items() if k.startswith(MODEL_PREFIXES)}
 
 
-def export(checkpoint: Path, out: Path) -> dict[str, Any]:
+def export(checkpoint: Path, out: Path, *, overwrite: bool = False) -> dict[str, Any]:
+    """Writes `out` (see the module doc) from a checkpoint; with the run's tokenizer files where
+    `run_tokenizer` knows them, else info["tokenizer_note"] says why there are none."""
+    check_output(out, overwrite)
     cfg, tensors = model_tensors(checkpoint)
-    return save(out, cfg, tensors)
+    tokenizer, tokenizer_json, note = run_tokenizer(checkpoint, reader.read_manifest(checkpoint))
+    files = {}
+    if tokenizer is not None:
+        from engine.tokenizer import BYTE_EOS_TOKEN, hf_tokenizer_files
+
+        eos = tokenizer.get("eos_token", BYTE_EOS_TOKEN)
+        files = hf_tokenizer_files(tokenizer_json, eos, model_max_length=cfg.max_seq_len)
+    with output_directory(out, overwrite=overwrite) as tmp:
+        info = save(tmp, cfg, tensors, eos_token_id=tokenizer["eos_id"] if tokenizer else None)
+        for name, text in files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+    return {**info, "tokenizer": tokenizer["kind"] if tokenizer else None, "tokenizer_note": note}
 
 
-def save(out: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray]) -> dict[str, Any]:
-    """Writes a Hugging Face LLaMA directory from model tensors named as this project names them."""
+def check_output(out: Path, overwrite: bool) -> None:
+    """prepare-data's rule for an existing output (engine.corpus.CorpusWriter): a non-empty one is a
+    DataError (exit 65) unless overwrite; an empty directory is used."""
+    out = Path(out)
+    if out.exists() and not overwrite and any(out.iterdir() if out.is_dir() else [True]):
+        raise DataError(f"output {str(out)!r} already exists; choose another directory or pass --overwrite")
+
+
+@contextlib.contextmanager
+def output_directory(out: Path, *, overwrite: bool = False) -> Iterator[Path]:
+    """The temporary directory to write an export into; renamed to `out` when the block ends without
+    an error, removed when it raises (see the module doc)."""
+    from engine.corpus import remove_stale_temporaries
+
+    out = Path(out)
+    check_output(out, overwrite)
+    tmp = out.parent / f"{out.name}.tmp-{os.getpid()}"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise _cant_create(out, e, tmp) from None
+    try:
+        try:
+            yield tmp
+            _seal(tmp)
+        except OSError as e:
+            raise _cant_create(out, e, tmp) from None
+        _rename_into_place(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _cant_create(out: Path, e: OSError, where: Path) -> CantCreateError:
+    return CantCreateError(f"cannot create the export at {str(out)!r}: {e.strerror or e} "
+                           f"({e.filename or where}); choose a writable -o/--output")
+
+
+def _seal(directory: Path) -> None:
+    """Modes 0644 (files) and 0755 (directories), whatever the umask (systemd's is 0027), and fsync."""
+    from durable import fsync_path
+
+    for parent, dirs, files in os.walk(directory, topdown=False):
+        for name in files:
+            os.chmod(os.path.join(parent, name), 0o644)
+            fsync_path(os.path.join(parent, name))
+        for name in dirs:
+            os.chmod(os.path.join(parent, name), 0o755)
+        os.chmod(parent, 0o755)
+        fsync_path(parent)
+
+
+def _rename_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
+    from durable import fsync_path
+
+    old = None
+    if overwrite and out.exists():
+        old = out.parent / f"{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    try:
+        os.rename(tmp, out)          # replaces an empty directory, refuses a non-empty one
+    except OSError:
+        if old is not None:
+            os.rename(old, out)
+        raise DataError(f"output {str(out)!r} appeared while exporting; left it as it is") from None
+    fsync_path(out.parent)
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+_QUARANTINED = re.compile(r"^step-(\d{8,})\.corrupt(?:-\d+)?$")
+
+
+def passed_over(chosen: Path) -> str | None:
+    """Why a run's newest checkpoint is not `chosen` (the newest that verifies, as reader.find_latest
+    picked it), naming both steps; None when `chosen` is the newest. Newer committed steps failed
+    verification (re-verified here for the reason); `step-N.corrupt` ones were quarantined."""
+    step = layout.parse_step(chosen.name)
+    if step is None or not chosen.parent.is_dir():
+        return None
+    newer: list[tuple[int, str]] = []
+    for path in chosen.parent.iterdir():
+        other = layout.parse_step(path.name)
+        if other is not None and other > step and path.is_dir():
+            problems = reader.verify(path)
+            if problems:                    # one that verifies was committed after the choice: no fallback
+                newer.append((other, f"failed verification ({problems[0]})"))
+        quarantined = _QUARANTINED.match(path.name)
+        if quarantined and int(quarantined.group(1)) > step:
+            newer.append((int(quarantined.group(1)), f"was quarantined as {path.name}"))
+    if not newer:
+        return None
+    newest, why = max(newer)
+    others = len({s for s, _ in newer}) - 1
+    also = f"; {others} other newer checkpoint{'s' if others > 1 else ''} unusable too" if others else ""
+    return f"the newest checkpoint, step {newest}, {why}; exported step {step} instead{also}"
+
+
+def _data_section(checkpoint: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The run's data.* as the checkpoint records it (its trajectory), else its run's config.resolved.toml."""
+    data = ((manifest.get("run_state") or {}).get("trajectory") or {}).get("data")
+    if isinstance(data, dict):
+        return data
+    resolved = checkpoint.parent.parent / "config.resolved.toml"
+    try:
+        return load_config(resolved).to_dict()["data"] if resolved.is_file() else None
+    except ConfigError:
+        return None
+
+
+def run_tokenizer(checkpoint: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None, str | None]:
+    """The tokenizer the checkpoint was trained with: (its corpus manifest's description, the text of
+    a tokenizer.json that encodes as it did, None), or (None, None, why export cannot know it).
+    Never a guess: an "hf" tokenizer.json is read from the path the corpus recorded, and only if
+    its sha256 is still the recorded one."""
+    from engine.tokenizer import ByteTokenizer
+
+    data = _data_section(checkpoint, manifest)
+    if data is None:
+        return None, None, "the checkpoint records no data source, and its run has no config.resolved.toml"
+    if data.get("source") == "synthetic":
+        return None, None, 'the run trained on synthetic data (data.source = "synthetic"): it has no tokenizer'
+    byte = ByteTokenizer()
+    if not data.get("path"):                   # the embedded corpus: prepared with the byte tokenizer
+        return byte.describe(), byte.to_tokenizers().to_str(), None
+    corpus = Path(data["path"])
+    where = "" if corpus.is_absolute() else " (a relative data.path is read from the current directory)"
+    try:
+        description = json.loads((corpus / "manifest.json").read_text())["tokenizer"]
+        kind = description["kind"]
+    except OSError as e:
+        return None, None, f"cannot read the manifest of its corpus {str(corpus)!r}{where}: {e.strerror or e}"
+    except (ValueError, KeyError, TypeError):
+        return None, None, f"the manifest of its corpus {str(corpus)!r} records no tokenizer"
+    if kind == "byte":
+        return description, byte.to_tokenizers().to_str(), None
+    if kind != "hf":
+        return None, None, f"its corpus {str(corpus)!r} has a tokenizer of kind {kind!r}, unknown to this version"
+    name, path = description.get("file"), description.get("path")
+    if not path:
+        return None, None, (f"its corpus {str(corpus)!r} was prepared with {name!r} but does not record where "
+                            "that file is (prepared by an older version)")
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as e:
+        return None, None, f"the tokenizer file of its corpus, {path!r}, cannot be read: {e.strerror or e}"
+    if hashlib.sha256(raw).hexdigest() != description.get("sha256"):
+        return None, None, f"the tokenizer file {path!r} changed since its corpus {str(corpus)!r} was prepared"
+    return description, raw.decode("utf-8"), None
+
+
+def save(out: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *,
+         eos_token_id: int | None = None) -> dict[str, Any]:
+    """Writes a Hugging Face LLaMA directory from model tensors named as this project names them
+    (in place, into an existing or new `out`; `export` makes it atomic)."""
     config = hf_config(cfg)
+    if eos_token_id is not None:         # else LlamaConfig's default (2) would end generate() early
+        config["eos_token_id"] = eos_token_id
     tensors = {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in tensors.items() if k.startswith(MODEL_PREFIXES)}
     out.mkdir(parents=True, exist_ok=True)
     safetensors.numpy.save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

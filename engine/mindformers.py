@@ -63,11 +63,15 @@ def _yaml_scalar(v: Any) -> str:
     return str(v)
 
 
-def export(checkpoint: Path, out: Path) -> dict[str, Any]:
+def export(checkpoint: Path, out: Path, *, overwrite: bool = False) -> dict[str, Any]:
+    """Writes `out` atomically, 0644/0755, refusing an existing non-empty one unless overwrite
+    (engine.hf.output_directory)."""
+    hf.check_output(out, overwrite)
     cfg, tensors = hf.model_tensors(checkpoint)
     renamed = {mf_name(k): v for k, v in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    safetensors.numpy.save_file(renamed, str(out / "llama.safetensors"), metadata={"format": "ms"})
-    (out / "model.yaml").write_text(model_yaml(cfg))
-    (out / "shapes.txt").write_text("".join(f"{k} {list(v.shape)}\n" for k, v in sorted(renamed.items())))
+    yaml_text = model_yaml(cfg)
+    with hf.output_directory(out, overwrite=overwrite) as tmp:
+        safetensors.numpy.save_file(renamed, str(tmp / "llama.safetensors"), metadata={"format": "ms"})
+        (tmp / "model.yaml").write_text(yaml_text)
+        (tmp / "shapes.txt").write_text("".join(f"{k} {list(v.shape)}\n" for k, v in sorted(renamed.items())))
     return {"tensors": len(renamed), "parameters": int(sum(np.prod(v.shape) for v in renamed.values()))}

@@ -113,6 +113,35 @@ def test_a_trained_checkpoint_exported_and_loaded_back_with_init_from_gives_the_
     assert np.abs(ours - theirs).max() < 1e-4
 
 
+def test_an_exported_run_loads_with_auto_classes_and_its_tokenizer_and_generates(cli, quiet_env, tmp_path,
+                                                                                 stdlib_corpus):
+    run = tmp_path / "run"
+    sets = [f'data.path="{stdlib_corpus}"', f'run.dir="{run}"', "train.steps=30"]
+    done = subprocess.run([*cli, "train", *sum((["--set", s] for s in sets), []), "--until-step", "3"],
+                          env=quiet_env, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = tmp_path / "hf"
+    done = subprocess.run([*cli, "export", str(run), "--format", "hf", "-o", str(out)], env=quiet_env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "with the byte tokenizer" in done.stdout and "llm-pretrain:" not in done.stderr, done.stderr
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
+    assert type(model).__name__ == "LlamaForCausalLM" and tokenizer.eos_token == "<|endoftext|>"
+    prompt = "def main(ünïcode):"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(prompt.encode("utf-8"))                 # the ids training saw
+    assert tokenizer.eos_token_id == model.config.eos_token_id == 256
+    with torch.no_grad():
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    new = generated[0, ids.shape[1]:].tolist()
+    assert 1 <= len(new) <= 5 and all(0 <= t < model.config.vocab_size for t in new)
+    text = tokenizer.decode(generated[0], skip_special_tokens=True)
+    assert text.startswith(prompt), text
+    print(f"generated {new} -> {text!r}")
+
+
 def test_init_from_a_mismatched_model_is_a_config_error_naming_the_keys(make_trainer, tmp_path):
     from engine.config import ConfigError
 
