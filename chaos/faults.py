@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 import shutil
 import signal
 import time

@@ -7,6 +7,7 @@ events.jsonl rotates by size: events.jsonl.1 … .N, the oldest dropped.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -122,23 +123,12 @@ class RotatingTee:
         except (OSError, ValueError):
             pass          # a closed stdout (journald restarted, a pipe's reader gone) never ends the daemon
 
-    def msg(self, line: str) -> None:
-        self._write(line, "info")
-
-    def debug(self, line: str) -> None:
-        self._write(line, "debug")
-
-    def info(self, line: str) -> None:
-        self._write(line, "info")
-
-    def warning(self, line: str) -> None:
-        self._write(line, "warning")
-
-    def error(self, line: str) -> None:
-        self._write(line, "error")
-
-    def critical(self, line: str) -> None:
-        self._write(line, "critical")
+    # structlog calls the method named after the event's level with the rendered line
+    msg = info = functools.partialmethod(_write, level="info")
+    debug = functools.partialmethod(_write, level="debug")
+    warning = functools.partialmethod(_write, level="warning")
+    error = functools.partialmethod(_write, level="error")
+    critical = functools.partialmethod(_write, level="critical")
 
     def reopen(self) -> None:
         """Closes the file; the next line opens it again by name: after logrotate moved it, writing

@@ -25,6 +25,21 @@ def daemon_events(run: Path) -> list[dict]:
     return out
 
 
+def mount_tmpfs(path: Path, size: str) -> None:
+    """A fresh tmpfs of `size` at `path` (created); skips the test where mounting is not allowed."""
+    import os
+
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+
+
 def wait_for(predicate, timeout_s: float = 240, what: str = "condition") -> None:
     """Polls `predicate` every 0.2 s; fails the test after `timeout_s`."""
     deadline = time.monotonic() + timeout_s

@@ -3,23 +3,16 @@ rank, SIGSTOP, a hang, a kill -9 of the daemon, a full disk — driven into one 
 own soak command; every one detected and recovered from, no fault costing more than one checkpoint
 interval of steps, and the final parameters bit-identical to an uninterrupted run's."""
 import json
-import os
 import subprocess
 
-import pytest
+from tests.e2e.cluster import mount_tmpfs
 
 INTERVAL = 25
 
 
 def test_a_soak_of_six_crash_faults_recovers_each_and_stays_bit_exact(cli, quiet_env, tmp_path, stdlib_corpus):
-    if os.geteuid() != 0:
-        pytest.skip("the disk-full fault needs the run on a small tmpfs (root)")
     run = tmp_path / "run"
-    run.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(run)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    mount_tmpfs(run, "64m")                  # the disk-full fault needs the run on a small filesystem
     report_path = tmp_path / "report.json"
     sets = [f'data.path="{stdlib_corpus}"', "train.steps=700", f"checkpoint.interval_steps={INTERVAL}",
             "checkpoint.keep_last=2", "parallel.dp=2", "train.micro_batch=4", f'run.dir="{run}"',

@@ -12,6 +12,7 @@ from checkpointing import layout
 from daemon.protocol import Command
 from daemon.state import RunState
 from tests.e2e.cluster import daemon_events as _events
+from tests.e2e.cluster import mount_tmpfs
 from tests.e2e.cluster import wait_for as _wait_for
 
 
@@ -144,16 +145,8 @@ def test_a_full_disk_never_ends_the_daemon_and_saves_resume_when_space_returns(c
     leaks; space back, saves resume by themselves, and a stop commits a final checkpoint (exit 0)."""
     import threading
 
-    import pytest
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
     run = tmp_path / "run"
-    run.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(run)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    mount_tmpfs(run, "24m")
     events, filler = [], run / "filler"
     try:
         proc, _ = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "run.compile_cache=false",

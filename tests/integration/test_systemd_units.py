@@ -3,7 +3,6 @@ silently on the service and on an instance of the template, and the exposure rat
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
