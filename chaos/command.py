@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shutil
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 from chaos import faults
 from chaos.soak import Daemon, Plan, Soak, reference_digest, verdict, write_report
+from daemon.lock import holder
 from daemon.protocol import ExitCode
 from daemon.runs import RunNotFoundError, resolve_run_dir
 from engine.config import Config, ConfigError, load_config, with_changes
@@ -78,8 +78,7 @@ def _check(cfg: Config, args, daemon: Daemon) -> None:
         raise ConfigError("chaos: fault injection is off for this run: set health.allow_fault_injection = true")
     run_dir = cfg.run.resolved_dir()
     if not daemon.owned:
-        pid = _live_pid(run_dir / "daemon.lock")
-        if pid is None:
+        if holder(run_dir) is None:
             raise RunNotFoundError(f"chaos: no live daemon holds {run_dir / 'daemon.lock'}; start one, or use --start")
     if "disk-full" in args.faults:
         existing = next(p for p in [run_dir.absolute(), *run_dir.absolute().parents] if p.exists())
@@ -88,15 +87,6 @@ def _check(cfg: Config, args, daemon: Daemon) -> None:
             raise ConfigError(f"chaos: disk-full would fill {free:,} free bytes of the filesystem holding {run_dir} "
                               f"(more than --disk-full-max-bytes = {args.disk_full_max_bytes:,}): put the run on a "
                               "small filesystem, raise the limit, or leave disk-full out of --faults")
-
-
-def _live_pid(lock: Path) -> int | None:
-    try:
-        text = lock.read_text().strip()
-        os.kill(int(text), 0)
-    except (OSError, ValueError):
-        return None
-    return int(text)
 
 
 def main(args) -> int:

@@ -7,10 +7,11 @@ written are skipped.
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 from pathlib import Path
 from typing import Any, Iterator
+
+from daemon.eventlog import ts_unix_s
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:
@@ -24,11 +25,6 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except json.JSONDecodeError:
                 continue
-
-
-def unix_s(ts: str) -> float:
-    """An event's `ts` (UTC ISO 8601 with a Z) as Unix seconds."""
-    return datetime.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.timezone.utc).timestamp()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +42,8 @@ class RunView:
         """The daemon's events at or after `since_unix_s`, each with `unix_s` added."""
         out = []
         for e in _lines(self.log_dir / "events.jsonl"):
-            try:
-                e["unix_s"] = unix_s(e["ts"])
-            except (KeyError, ValueError):
-                continue
-            if e["unix_s"] >= since_unix_s:
+            e["unix_s"] = ts_unix_s(e.get("ts"))
+            if e["unix_s"] is not None and e["unix_s"] >= since_unix_s:
                 out.append(e)
         return out
 

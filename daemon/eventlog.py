@@ -141,6 +141,16 @@ class RotatingTee:
         self._drop_file()
 
 
+def ts_unix_s(ts: Any) -> float | None:
+    """An event's `ts` (as `_timestamp` writes it: UTC, ISO 8601) in Unix seconds; None if unreadable."""
+    import datetime
+
+    try:
+        return datetime.datetime.fromisoformat(str(ts).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
 def _timestamp(_, __, event_dict: dict) -> dict:
     import datetime
 

@@ -16,13 +16,12 @@ aside and saving the result is the Ledger's.
 """
 from __future__ import annotations
 
-import datetime
 import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from daemon import policy
-from daemon.eventlog import non_finite_floats
+from daemon.eventlog import non_finite_floats, ts_unix_s
 from daemon.incidents import IncidentRecord, Restart, Rollback
 from daemon.state import RunState
 
@@ -86,11 +85,8 @@ def _int(value: Any, default: int) -> int:
 
 
 def _unix_s(ts: Any) -> float:
-    """An event's `ts` (UTC, ISO 8601, as daemon.eventlog writes it) in unix seconds; 0.0 if unreadable."""
-    try:
-        return datetime.datetime.fromisoformat(str(ts).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return 0.0
+    """An event's `ts` in unix seconds; 0.0 if unreadable."""
+    return ts_unix_s(ts) or 0.0
 
 
 def read_events(log_path: Path) -> list[dict[str, Any]]:
