@@ -12,6 +12,7 @@ import ctypes
 import dataclasses
 import hashlib
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -165,6 +166,7 @@ class Generation:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(sock_path))
         self.sock.setblocking(False)
+        self._received: list[bytes] = []
 
     @property
     def ranks(self) -> list[Worker]:
@@ -186,16 +188,29 @@ class Generation:
         self.workers.append(worker)
 
     def events(self) -> Iterator:
-        """The datagrams waiting, decoded (malformed ones dropped)."""
-        while True:
-            try:
-                data = self.sock.recv(65536)
-            except BlockingIOError:
-                return
+        """The datagrams received, decoded (malformed ones dropped)."""
+        self._receive()
+        waiting, self._received = self._received, []
+        for data in waiting:
             try:
                 yield decode_event(data)
             except ValueError:
                 continue
+
+    def wait(self, seconds: float) -> None:
+        """Sleeps `seconds`, taking datagrams in as they arrive: the kernel queues only a few per socket
+        (net.unix.max_dgram_qlen), and a rank's sends wait while that queue is full."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if select.select([self.sock], [], [], left)[0]:
+                self._receive()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                self._received.append(self.sock.recv(65536))
+            except BlockingIOError:
+                return
 
     def new_exits(self) -> list[RankExit]:
         """Ranks that ended since the last call, with what their cgroup and log say about memory."""

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import json
 import math
+import time
 from typing import Any
 
 
@@ -33,6 +34,9 @@ class ExitCode(enum.IntEnum):
 CLI_ONLY_EXIT_CODES = (ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON, ExitCode.CANT_CREATE)
 FINAL_EXIT_CODES = tuple(c for c in ExitCode if c is not ExitCode.INTERNAL_ERROR and c not in CLI_ONLY_EXIT_CODES)
 
+# Events a worker must not lose (all but the per-step ones) wait this long for room on a full socket.
+DELIVER_WAIT_S = 5.0
+DATAGRAM_RETRY_S = 0.005
 
 
 def _encode_float(value: Any) -> Any:
@@ -297,13 +301,21 @@ class Command:
         return cls(seq=data["seq"], name=data["name"], args=dict(data.get("args") or {}))
 
 
-def send_datagram(sock, path: str, event: _Event) -> bool:
-    """Sends one event without ever blocking; False if it was dropped (no reader, buffer full)."""
-    try:
-        sock.sendto(event.to_json().encode(), path)
-        return True
-    except (BlockingIOError, ConnectionRefusedError, FileNotFoundError, OSError):
-        return False
+def send_datagram(sock, path: str, event: _Event, wait_s: float = 0.0) -> bool:
+    """Sends one event on a non-blocking socket; False if it was dropped. A full queue (the reader is
+    alive but has not drained yet: Linux keeps only net.unix.max_dgram_qlen, often 10, datagrams) is
+    retried for up to `wait_s`; no reader at all is never waited for."""
+    data, deadline = event.to_json().encode(), time.monotonic() + wait_s
+    while True:
+        try:
+            sock.sendto(data, path)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(DATAGRAM_RETRY_S)
+        except OSError:            # no reader (refused, socket gone), or too large: dropped
+            return False
 
 
 def decode_event(line: str | bytes) -> _Event:

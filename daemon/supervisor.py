@@ -178,7 +178,7 @@ class Supervisor:
             self._apply(w.drain(), gen)
             if outcome is not None:
                 return outcome
-            time.sleep(TICK_S)
+            gen.wait(TICK_S)
 
     def _apply(self, effects: list[watch.Effect], gen: Generation) -> None:
         """Carries out what the watch asked for."""

@@ -182,6 +182,7 @@ class Watch:
         self.pause = Pause.RUNNING
         self.paused_at = 0.0
         self.last_step = 0
+        self._committed_step = 0
         self.stop_reason: str | None = None
         self.stop_sent_at: float | None = None
         self.forced = False
@@ -279,6 +280,7 @@ class Watch:
 
     def _checkpoint(self, ev: CheckpointEvent) -> None:
         if ev.stage == "committed":
+            self._committed_step = max(self._committed_step, ev.step)
             self._do(Committed(ev.step, max(self.last_step, ev.step)))
         elif ev.stage == "failed":
             self._do(CheckpointFailed(ev.step, ev.detail))
@@ -360,12 +362,18 @@ class Watch:
         if all(self._exits.get(r) is not None for r in self.ranks):
             reasons = {reason for reason, _ in self._exit_reasons.values()}
             if self.stop_sent_at is not None or "stopped" in reasons:
-                return Stopped(self._final_step())
-            return Released(self._final_step()) if "released" in reasons else Finished(self._final_step())
+                return Stopped(self._final_step(exited=True))
+            step = self._final_step(exited=True)
+            return Released(step) if "released" in reasons else Finished(step)
         return self._hang(now)
 
-    def _final_step(self) -> int | None:
-        return max((step for _, step in self._exit_reasons.values()), default=None)
+    def _final_step(self, exited: bool = False) -> int | None:
+        """The step the ranks ended at, from their exit events; ranks that all `exited` without one
+        reaching us (a datagram lost) ended at the last step or commit seen."""
+        said = [step for _, step in self._exit_reasons.values()]
+        if said or not exited:
+            return max(said, default=None)
+        return max(self.last_step, self._committed_step) or None
 
     def _failed_exit(self, rank: int, ended: _Exit) -> Outcome:
         code = ended.code

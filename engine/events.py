@@ -1,5 +1,8 @@
 """Where a worker's events go: one JSON line each on stdout (the rank's log), and, under the
-supervisor, one datagram each on its event socket. Safe from any thread; never blocks."""
+supervisor, one datagram each on its event socket. Safe from any thread. A full socket queue (a
+daemon slow to drain) is waited for, briefly for a step and longer for the rest: losing a
+checkpoint's commit or a rank's exit would leave the daemon guessing. A daemon that is gone is
+never waited for."""
 from __future__ import annotations
 
 import socket
@@ -7,7 +10,9 @@ import sys
 import threading
 from typing import TextIO
 
-from daemon.protocol import send_datagram
+from daemon.protocol import DELIVER_WAIT_S, StepEvent, send_datagram
+
+STEP_WAIT_S = 0.25      # a step event that cannot be queued in this long is dropped: the next one follows
 
 
 class EventSink:
@@ -30,7 +35,8 @@ class EventSink:
                 except OSError:
                     pass       # a full disk under the rank's log: the datagram still reaches the daemon
             if self._sock is not None:
-                send_datagram(self._sock, self.socket_path, event)
+                send_datagram(self._sock, self.socket_path, event,
+                              STEP_WAIT_S if isinstance(event, StepEvent) else DELIVER_WAIT_S)
 
 
 class TolerantStream:

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from daemon.protocol import FINAL_EXIT_CODES, ExitCode, ExitEvent, StepEvent, decode_event
+from daemon.protocol import FINAL_EXIT_CODES, ExitCode, ExitEvent, StepEvent, decode_event, send_datagram
 
 
 def test_exit_codes_match_the_design_registry():
@@ -44,3 +44,31 @@ def test_exit_event_round_trips():
 def test_unknown_lines_are_refused(line):
     with pytest.raises(ValueError):
         decode_event(line)
+
+
+def test_a_full_socket_queue_is_waited_for_and_a_missing_reader_is_not(tmp_path):
+    """Linux queues only net.unix.max_dgram_qlen datagrams per socket: a sender with time to wait
+    gets through once the reader drains; with none left (or no reader at all) the event is dropped."""
+    import socket
+    import threading
+    import time
+
+    path = str(tmp_path / "events.sock")
+    reader = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    reader.bind(path)
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sender.setblocking(False)
+    event = ExitEvent(rank=0, generation=0, step=10, reason="stopped")
+    queued = 0
+    while send_datagram(sender, path, event):
+        queued += 1
+        assert queued < 100_000, "the queue never filled"
+    started = time.monotonic()
+    assert not send_datagram(sender, path, event, wait_s=0.1)           # full, and nobody drains
+    assert time.monotonic() - started >= 0.1
+    threading.Timer(0.2, lambda: [reader.recv(65536) for _ in range(queued)]).start()
+    assert send_datagram(sender, path, event, wait_s=5.0)               # through once drained
+    reader.close()
+    started = time.monotonic()
+    assert not send_datagram(sender, path, event, wait_s=5.0)           # no reader: not waited for
+    assert time.monotonic() - started < 1.0

@@ -349,3 +349,12 @@ def test_an_incident_a_drill_explains_is_labelled_as_a_drill():
     w.on_control(Request("inject", {"fault": "nan", "rank": 1}, "inject"), 1.0)
     w.on_exit(1, 1, 2.0)
     assert "drill" not in w.tick(2.0).incident.evidence
+
+
+def test_ranks_whose_exit_events_were_lost_ended_at_the_last_commit_seen():
+    w = make(stop_reason="signal SIGTERM")
+    steps(w, 1, 5, 0.0)
+    w.on_event(CheckpointEvent(rank=0, generation=1, step=7, stage="committed"), 1.0)
+    for r in (0, 1):
+        w.on_exit(r, 0, 2.0)
+    assert w.tick(2.0) == Stopped(7)
