@@ -63,12 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="checkpoint and stop after step N (resume later with the same command)")
     train.add_argument("--allow-config-change", action="store_true",
                        help="resume even if trajectory-defining config keys differ from the checkpoint's")
+    _add_log_format(train, "console: the default on a terminal when no daemon supervises this process")
 
     run = sub.add_parser("run", help="the daemon: start this node's ranks, watch them, bring them back")
     _add_config_args(run)
-    run.add_argument("--log-format", choices=("auto", "console", "json"), default="auto",
-                     help="the stream's events: one line each for people (console: the default on a terminal) "
-                          "or JSON (elsewhere: journald, pipes); events.jsonl is always JSON")
+    _add_log_format(run, "console: the default on a terminal; events.jsonl is always JSON")
 
     _add_operations(sub)
     _add_tools(sub)
@@ -76,6 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_config_args(add_chaos(sub))           # the config of the run `--start` starts
     return parser
+
+
+def _add_log_format(parser, when: str) -> None:
+    parser.add_argument("--log-format", choices=("auto", "console", "json"), default="auto",
+                        help=f"the stream's events: one line each for people ({when}) or JSON (elsewhere: "
+                             "journald, pipes)")
+
+
+def _console(args: argparse.Namespace, *, default: bool, total_steps: int | None = None):
+    """stdout rendered for people when asked, or by default on a terminal; None: JSON lines."""
+    if args.log_format == "console" or (args.log_format == "auto" and default and sys.stdout.isatty()):
+        from daemon.console import ConsoleStream
+
+        return ConsoleStream(sys.stdout, total_steps=total_steps)
+    return None
 
 
 def _add_operations(sub) -> None:
@@ -207,11 +221,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.until_step is not None and args.until_step < 1:
         raise ConfigError(f"--until-step = {args.until_step} must be >= 1")
     from engine import worker
+    from daemon.protocol import ENV_EVENT_SOCKET
     from engine.events import TolerantStream
 
     sys.stdout, sys.stderr = TolerantStream(sys.stdout), TolerantStream(sys.stderr)   # a full disk under the log
+    out = _console(args, default=not os.environ.get(ENV_EVENT_SOCKET), total_steps=args.until_step or cfg.train.steps)
     try:
-        worker.train(cfg, until_step=args.until_step, allow_config_change=args.allow_config_change)
+        worker.train(cfg, out=out or sys.stdout, until_step=args.until_step,
+                     allow_config_change=args.allow_config_change)
     except worker.CheckpointSaveError as e:
         print(f"llm-pretrain: {e}", file=sys.stderr)
         return ExitCode.INTERNAL_ERROR
@@ -238,12 +255,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
     worker_cmd = [sys.executable, "-m", "daemon.cli", "train"]
     scheduler_cmd = [sys.executable, "-m", "engine.scheduler"]
-    stream = None
-    if args.log_format == "console" or (args.log_format == "auto" and sys.stdout.isatty()):
-        from daemon.console import ConsoleStream
-
-        stream = ConsoleStream(sys.stdout)
-    return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd, stream=stream).run()
+    return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd,
+                      stream=_console(args, default=True)).run()
 
 
 _QUEUE_HELP = "leave the request for the run's next daemon when none is running (default: refuse, exit 69)"

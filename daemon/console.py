@@ -2,12 +2,16 @@
 
 Owns the human rendering of an event record — time, level, event, then its fields with floats
 rounded and long values folded — with a dedicated line for `progress` (step/total, loss, lr,
-tokens/s, ETA) and level colours on a terminal; and `ConsoleStream`, the stream the daemon writes
-its JSON lines to when it renders them for a terminal (events.jsonl stays JSON).
+tokens/s, ETA) and level colours on a terminal; the same for a worker's own events (`train` run
+by hand: steps, phases, checkpoints, its exit); and `ConsoleStream`, the stream the daemon and
+`train` write their JSON lines to when they render them for a terminal (events.jsonl and the
+ranks' logs under the daemon stay JSON).
 """
 from __future__ import annotations
 
 import json
+import time
+from collections import deque
 from typing import Any, TextIO
 
 _COMMON = ("ts", "level", "event", "run", "generation")
@@ -75,12 +79,62 @@ def human(record: dict[str, Any], *, colour: bool = False, full_time: bool = Fal
     return line
 
 
-class ConsoleStream:
-    """A text stream that renders the JSON lines written to it for people (other text passes through)."""
+_PHASE_TEXT = {"restore": "restoring (the newest checkpoint, if any) and forming the cluster",
+               "compile": "compiling the step: the first one takes a while",
+               "paused": "paused", "train": "training", "checkpoint": "saving the final checkpoint",
+               "exiting": "exiting"}
 
-    def __init__(self, stream: TextIO, *, colour: bool | None = None):
+
+class WorkerLines:
+    """A worker's events (records with a `kind`, as `train` prints them) as people read them: a
+    progress line per logged step, its ETA from the wall time between the recent progress lines (so
+    never the compiled first step, and with data waits and saves in it); a commit, not its stages."""
+
+    def __init__(self, total_steps: int | None = None, window: int = 10, clock=time.monotonic):
+        self.total_steps, self.clock = total_steps, clock
+        self._seen: deque[tuple[float, int]] = deque(maxlen=window)     # (when, step) of progress lines
+
+    def line(self, r: dict[str, Any]) -> tuple[str, str] | None:
+        """(level, text) for one record; None: nothing to say."""
+        kind = r.get("kind")
+        if kind == "step":
+            step = int(r.get("step", 0))
+            if self._seen and self._seen[-1][1] >= step:      # a replay: measure afresh
+                self._seen.clear()
+            self._seen.append((self.clock(), step))
+            eta = None
+            (t0, s0), (t1, s1) = self._seen[0], self._seen[-1]
+            if self.total_steps and s1 > s0:
+                eta = max(0, self.total_steps - step) * (t1 - t0) / (s1 - s0)
+            return ("warning" if r.get("skipped") else "info",
+                    _progress({**r, "total_steps": self.total_steps, "eta_s": eta}))
+        if kind == "phase":
+            text = _PHASE_TEXT.get(str(r.get("phase")), str(r.get("phase")))
+            return "info", f"{text} (step {r.get('step', 0)})" if r.get("step") else text
+        if kind == "checkpoint":
+            stage, step = r.get("stage"), r.get("step")
+            if stage in ("staged", "written"):
+                return None
+            level = "error" if stage in ("failed", "quarantined") else "info"
+            seconds = f" in {r['seconds']:.1f} s" if r.get("seconds") else ""
+            detail = f": {_value(r['detail'])}" if r.get("detail") else ""
+            return level, f"checkpoint step {step} {stage}{seconds}{detail}"
+        if kind == "exit":
+            return "info", f"{r.get('reason')} at step {r.get('step')}"
+        if kind == "data_fault":
+            return "error", f"corrupt data before step {r.get('step')}: {_value(r.get('detail', ''))}"
+        rest = " ".join(f"{k}={_value(v)}" for k, v in r.items() if k not in ("kind", "rank", "generation"))
+        return "info", f"{kind} {rest}".rstrip()
+
+
+class ConsoleStream:
+    """A text stream that renders the JSON lines written to it for people (other text passes through):
+    the daemon's events, and a worker's (those with a `kind`) through `WorkerLines`."""
+
+    def __init__(self, stream: TextIO, *, colour: bool | None = None, total_steps: int | None = None):
         self.stream = stream
         self.colour = stream.isatty() if colour is None else colour
+        self.worker = WorkerLines(total_steps)
         self._partial = ""
 
     def write(self, text: str) -> int:
@@ -90,8 +144,20 @@ class ConsoleStream:
                 record = json.loads(line)
             except ValueError:
                 record = None
-            self.stream.write((human(record, colour=self.colour) if isinstance(record, dict) else line) + "\n")
+            shown = self._render(record) if isinstance(record, dict) else line
+            if shown is not None:
+                self.stream.write(shown + "\n")
         return len(text)
+
+    def _render(self, record: dict[str, Any]) -> str | None:
+        if "event" in record or "kind" not in record:
+            return human(record, colour=self.colour)
+        said = self.worker.line(record)
+        if said is None:
+            return None
+        level, text = said
+        line = f"{time.strftime('%H:%M:%S')} {level.upper():<7} rank {record.get('rank', 0)} {text}"
+        return f"{_COLOURS[level]}{line}{_RESET}" if self.colour and level in _COLOURS else line
 
     def flush(self) -> None:
         self.stream.flush()

@@ -20,6 +20,34 @@ def test_train_prints_json_lines_and_checkpoints_at_the_end(cli, quiet_env, tmp_
     restarted = [json.loads(line) for line in again.stdout.splitlines()]
     assert again.returncode == 0 and not [e for e in restarted if e["kind"] == "step"]   # already done
     assert restarted[-1]["reason"] == "finished" and restarted[-1]["step"] == 4
+    # by hand on a terminal: lines for people, not JSON
+    screen = _on_a_terminal([*cli, "train", "--set", "train.steps=6", "--set", "train.log_interval_steps=2"],
+                            cwd=tmp_path, env=quiet_env)
+    assert "step 6/6" in screen and "loss " in screen and "tokens/s" in screen, screen[-2000:]
+    assert "compiling the step" in screen and "checkpoint step 6 committed" in screen and "finished at step 6" in screen
+    assert '{"' not in screen
+
+
+def _on_a_terminal(cmd, **kw) -> str:
+    """What `cmd` writes to stdout when stdout is a pseudo-terminal (it exits 0)."""
+    import os
+    import pty
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen(cmd, stdout=follower, stderr=subprocess.DEVNULL, **kw)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:                  # EIO: the terminal's other end is closed
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(leader)
+    assert proc.wait(timeout=300) == 0
+    return b"".join(chunks).decode(errors="replace")
 
 
 def test_msrun_launches_train_as_mindspore_users_do(quiet_env, tmp_path, stdlib_corpus):

@@ -36,3 +36,28 @@ def test_the_daemon_stream_on_a_terminal_is_human_and_the_file_stays_json(tmp_pa
     shown = out.getvalue().splitlines()
     assert "step 3/10  loss 2.0000" in shown[0] and shown[1].endswith("crash              rank=1 cause=exit code 1")
     assert [json.loads(l)["event"] for l in (tmp_path / "events.jsonl").read_text().splitlines()] == ["progress", "crash"]
+
+
+def test_train_s_own_events_read_as_progress_phases_checkpoints_and_its_end():
+    """`train` by hand on a terminal: a step is a progress line whose ETA comes from the wall time
+    between progress lines; phases, commits and the exit are sentences, not JSON."""
+    out = io.StringIO()
+    console = ConsoleStream(out, colour=False, total_steps=100)
+    ticks = iter([100.0, 104.5])
+    console.worker.clock = lambda: next(ticks)
+    step = dict(kind="step", rank=0, generation=0, loss=2.5, grad_norm=1.0, loss_scale=1.0, lr=1e-3,
+                lr_multiplier=1.0, skipped=False, sample_start=0, sample_end=8, tokens=512, tokens_per_s=5120.0)
+    console.write(json.dumps({"kind": "phase", "rank": 0, "generation": 0, "phase": "compile", "step": 0}) + "\n")
+    console.write(json.dumps({**step, "step": 1, "step_s": 30.0}) + "\n")          # compiled: not in the ETA
+    console.write(json.dumps({**step, "step": 10, "step_s": 0.5}) + "\n")
+    console.write(json.dumps({"kind": "checkpoint", "rank": 0, "generation": 0, "step": 10, "stage": "staged"}) + "\n")
+    console.write(json.dumps({"kind": "checkpoint", "rank": 0, "generation": 0, "step": 10, "stage": "committed",
+                              "seconds": 1.5}) + "\n")
+    console.write(json.dumps({"kind": "exit", "rank": 0, "generation": 0, "step": 10, "reason": "stopped"}) + "\n")
+    lines = out.getvalue().splitlines()
+    assert "compiling the step" in lines[0]
+    assert "step 10/100" in lines[2] and "loss 2.5000" in lines[2] and "5,120 tokens/s" in lines[2]
+    assert "ETA" not in lines[1] and "ETA 0m45s" in lines[2]      # 4.5 s for 9 steps: 90 more x 0.5 s
+    assert "checkpoint step 10 committed in 1.5 s" in lines[3]
+    assert lines[4].endswith("stopped at step 10")
+    assert not any(line.lstrip().startswith("{") for line in lines)
