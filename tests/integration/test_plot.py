@@ -1,8 +1,13 @@
-"""`llm-pretrain plot` on a run with a rolled-back spike writes a valid PNG."""
+"""`llm-pretrain plot` on a run with a rolled-back spike writes a valid PNG, and its summary names
+the skipped steps, the superseded tail, the checkpoints and each incident's label."""
+import json
 import struct
 import subprocess
 import zlib
 
+from daemon import plot
+from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
+from daemon.state import RunState
 from tests.integration.test_recovery_policy import QUICK_HEALTH
 from tests.integration.test_supervisor import _finish, _start
 
@@ -31,9 +36,51 @@ def test_plot_of_a_run_with_a_rollback_is_a_valid_png(tmp_path, cli, quiet_env):
     width, height = struct.unpack(">II", chunks[0][1][:8])
     assert width >= 800 and height >= 500
 
+    # the same picture in-process, for its summary
+    info = plot.plot(run, tmp_path / "plots" / "again.png")
+    skip_start, skip_end = RunState.load(run).incidents[0].action.skip
+    assert skip_start == 8 * 29          # the fake worker reads 8 samples a step: step 30 is 232-240
+    last = skip_end // 8
+    assert info["skipped_steps"] == [[30, last]]
+    assert info["labels"] == [f"loss_spike -> rollback to 25, skip steps 30\u2013{last} "
+                              f"(samples 232\u2013{skip_end}), lr x0.5"]
+    # generation 1 trained past 30 before it was stopped; generation 2 went back to 25 and trained 26 on
+    assert info["superseded_steps"][1][0] == 26 and info["superseded_steps"][1][1] >= last
+    assert 2 not in info["superseded_steps"]
+    # committed every 5 steps: 5-30 in generation 1, 30-60 in generation 2
+    assert info["checkpoints"] >= 6 + 7
+    assert (info["generations"], info["incidents"]) == (2, 1)
+
 
 def test_plot_of_a_run_that_never_trained_says_so(tmp_path, cli, quiet_env):
     (tmp_path / "run" / "logs").mkdir(parents=True)
     (tmp_path / "run" / "logs" / "rank-0.log").write_text("starting\n")
     done = subprocess.run([*cli, "plot", str(tmp_path / "run")], env=quiet_env, capture_output=True, text=True)
     assert done.returncode == 2 and "no step events" in done.stderr
+
+
+def test_plot_reads_a_sparse_log_with_a_nan_step_and_labels_a_drill(tmp_path):
+    # a rank log of every 5th step (`train.log_interval_steps = 5`) and of step 23, a NaN drill after which
+    # generation 2 resumed from 20 (its compile phase says so) and first logged step 25
+    run, lines = tmp_path / "run", ["starting"]
+    for gen, steps, resumed in ((1, range(5, 24, 5), 0), (2, range(25, 41, 5), 20)):
+        lines.append(json.dumps({"kind": "phase", "phase": "compile", "generation": gen, "rank": 0, "step": resumed}))
+        for n in [*steps, 23] if gen == 1 else steps:
+            lines.append(json.dumps({"kind": "step", "generation": gen, "rank": 0, "step": n,
+                                     "loss": "nan" if n == 23 else 3.0, "lr": 1e-3, "tokens_per_s": 1e5,
+                                     "sample_start": 8 * (n - 1), "sample_end": 8 * n}, sort_keys=True))
+            if n % 10 == 0:
+                lines.append(json.dumps({"kind": "checkpoint", "stage": "committed", "generation": gen,
+                                         "rank": 0, "step": n}, sort_keys=True))
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "rank-0.log").write_text("\n".join(lines) + "\n")
+    drill = Incident(kind=Kind.NON_FINITE, first_step=23, last_step=23, evidence={"drill": {"fault": "nan"}})
+    RunState(generation=2, status="finished", incidents=[IncidentRecord(
+        incident=drill, generation=1, unix_s=0.0,
+        action=Rollback("drill", checkpoint_step=20, skip=(176, 184), lr_overrides=()))]).save(run)
+    info = plot.plot(run, tmp_path / "loss.png")
+    assert info["labels"] == ["non_finite (drill) -> rollback to 20, skip step 23 (samples 176\u2013184)"]
+    assert info["skipped_steps"] == [[23, 23]]
+    assert info["superseded_steps"] == {1: [23, 23]}        # 21-22 were not logged, 23 was
+    assert info["checkpoints"] == 4 and info["steps"] == 9       # 10, 20; 30, 40
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
