@@ -289,6 +289,25 @@ class HealthConfig:
         _in_range("health.straggler_min_rel", self.straggler_min_rel, 0.0, 1.0)
 
 
+def coordinator_endpoints(url: str) -> list[tuple[str, int]]:
+    """`etcd://HOST:PORT[,HOST:PORT…]` → [(host, port), …]; ValueError naming what is wrong."""
+    import urllib.parse
+
+    if not url.startswith("etcd://"):
+        raise ValueError(f"{url!r} must look like etcd://HOST:PORT[,HOST:PORT…]")
+    out = []
+    for part in url[len("etcd://"):].rstrip("/").split(","):
+        parsed = urllib.parse.urlsplit(f"//{part}")
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if not parsed.hostname or port is None or parsed.path:
+            raise ValueError(f"{part!r} in {url!r} must be HOST:PORT")
+        out.append((parsed.hostname, port))
+    return out
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Naming and where the run's files live."""
@@ -300,6 +319,12 @@ class RunConfig:
     node_rank: int = 0             # this machine's index; node 0 runs MindSpore's scheduler
     master_addr: str = "127.0.0.1"  # node 0's address, where the scheduler listens
     master_port: int = 0           # the scheduler's port; 0 = a free port, fresh each generation (single node)
+    coordinator: str = ""          # etcd://HOST:PORT[,HOST:PORT…]: the nodes' daemons agree through it (run.nodes > 1)
+    coordinator_prefix: str = ""   # this run's etcd keys live under it; "" = /llm-pretrain/<name>/
+    coordinator_timeout_s: float = 60.0   # etcd unreachable this long: checkpoint and stop (exit 75)
+    node_lease_ttl_s: int = 5      # a node whose daemon is silent this long is lost
+    node_rejoin_timeout_s: float = 60.0   # a lost node back within this long: the run goes on at full size
+    min_nodes: int = 0             # fewer nodes than this (0 = run.nodes): wait, then stop; more: go on smaller
     stop_timeout_s: float = 300.0  # on stop: wait this long for the final checkpoint, then kill
     kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
     pause_release_after_s: float = 600.0  # paused this long: stop the ranks to free the devices (resume restarts them)
@@ -314,6 +339,20 @@ class RunConfig:
         _at_least("run.nodes", self.nodes, 1)
         _in_range("run.node_rank", self.node_rank, 0, self.nodes - 1)
         _in_range("run.master_port", self.master_port, 0, 65535)
+        _in_range("run.coordinator_timeout_s", self.coordinator_timeout_s, 0.0, 1e6, open_low=True)
+        _in_range("run.node_lease_ttl_s", self.node_lease_ttl_s, 2, 3600)
+        _in_range("run.node_rejoin_timeout_s", self.node_rejoin_timeout_s, 0.0, 1e6)
+        _in_range("run.min_nodes", self.min_nodes, 0, self.nodes)
+        if self.coordinator:
+            try:
+                coordinator_endpoints(self.coordinator)
+            except ValueError as e:
+                _fail(f"run.coordinator: {e}")
+        elif self.nodes > 1:
+            _fail(f"run.nodes = {self.nodes} needs run.coordinator = \"etcd://HOST:PORT[,HOST:PORT…]\": the nodes' "
+                  "daemons agree on generations and decisions through etcd")
+        if self.coordinator_prefix and not self.coordinator_prefix.startswith("/"):
+            _fail(f"run.coordinator_prefix = {self.coordinator_prefix!r} must start with '/'")
         _in_range("run.stop_timeout_s", self.stop_timeout_s, 0.0, 1e6, open_low=True)
         _in_range("run.kill_grace_s", self.kill_grace_s, 0.0, 3600.0)
         _in_range("run.pause_release_after_s", self.pause_release_after_s, 0.0, 1e7)
@@ -329,6 +368,16 @@ class RunConfig:
         if not self.name or not set(self.name) <= allowed or self.name.startswith("."):
             _fail(f"run.name = {self.name!r} is not allowed; use letters, digits, '-', '_' and '.' "
                   "(not starting with '.')")
+
+    @property
+    def key_prefix(self) -> str:
+        """Where this run's keys live in etcd (ends with '/')."""
+        return (self.coordinator_prefix or f"/llm-pretrain/{self.name}/").rstrip("/") + "/"
+
+    @property
+    def quorum(self) -> int:
+        """The fewest nodes the run trains on."""
+        return self.min_nodes or self.nodes
 
     def resolved_dir(self, env: typing.Mapping[str, str] = os.environ) -> Path:
         if self.dir:

@@ -52,7 +52,24 @@ BAD = [
     (["train.recompute_num_layers=3"], ["train.recompute_num_layers = 3", "model.num_layers = 2"]),
     (["health.loss_collapse_min_rel=0.0"], ["health.loss_collapse_min_rel = 0.0", "(0.0, 1.0]"]),
     (["health.loss_collapse_min_rel=1.5"], ["health.loss_collapse_min_rel = 1.5", "(0.0, 1.0]"]),
+    (["run.nodes=2", "run.master_port=29500"], ["run.nodes = 2", "run.coordinator", "etcd://HOST:PORT"]),
+    (['run.coordinator="http://10.0.0.1:2379"'], ["run.coordinator", "etcd://HOST:PORT"]),
+    (['run.coordinator="etcd://10.0.0.1"'], ["run.coordinator", "'10.0.0.1'", "HOST:PORT"]),
+    (['run.coordinator="etcd://a:2379,b:x"'], ["run.coordinator", "'b:x'"]),
+    (["run.nodes=2", "run.min_nodes=3"], ["run.min_nodes = 3", "range"]),
+    (['run.coordinator_prefix="runs/x"'], ["run.coordinator_prefix", "start with '/'"]),
+    (["run.node_lease_ttl_s=1"], ["run.node_lease_ttl_s", "range"]),
 ]
+
+
+def test_a_multi_node_run_names_its_coordinator_and_keys():
+    cfg = load_config(None, ["run.nodes=3", "run.node_rank=1", "run.master_port=29500", "parallel.dp=3",
+                             "train.global_batch=24", 'run.coordinator="etcd://10.0.0.1:2379,10.0.0.2:2379"'])
+    from engine.config import coordinator_endpoints
+
+    assert coordinator_endpoints(cfg.run.coordinator) == [("10.0.0.1", 2379), ("10.0.0.2", 2379)]
+    assert cfg.run.key_prefix == "/llm-pretrain/tiny/" and cfg.run.quorum == 3
+    assert load_config(None, ['run.coordinator_prefix="/team/a"', "run.nodes=1"]).run.key_prefix == "/team/a/"
 
 
 @pytest.mark.parametrize("overrides,layers", [

@@ -1,0 +1,86 @@
+"""A real etcd for tests: started on free loopback ports (or given addresses, in a namespace),
+its data in a temporary directory, stopped (or paused with SIGSTOP, or killed) by the test.
+
+Without an `etcd` binary the tests that need one are skipped, saying how to get it, except under
+CI (`CI` set), where that is a failure: `.ci/run` installs Debian's etcd-server.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+import pytest
+
+
+def etcd_binary() -> str:
+    path = shutil.which("etcd")
+    if path is None:
+        message = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    def __init__(self, data_dir: Path, *, host: str = "127.0.0.1", client_port: int = 0, peer_port: int = 0,
+                 prefix: Sequence[str] = ()):
+        self.host, self.data_dir, self.prefix = host, data_dir, list(prefix)
+        self.client_port = client_port or _free_port(host)
+        self.peer_port = peer_port or _free_port(host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"etcd://{self.host}:{self.client_port}"
+
+    def start(self, timeout_s: float = 20.0) -> "EtcdServer":
+        client, peer = f"http://{self.host}:{self.client_port}", f"http://{self.host}:{self.peer_port}"
+        cmd = [*self.prefix, etcd_binary(), "--name", "test", "--data-dir", str(self.data_dir),
+               "--listen-client-urls", client, "--advertise-client-urls", client,
+               "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+               "--initial-cluster", f"test={peer}", "--log-level", "error"]
+        self.log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        from daemon.etcd import Etcd, EtcdError
+
+        client = Etcd.from_url(self.url, timeout_s=1.0)
+        while True:
+            try:
+                client.get("/ready")
+                return self
+            except EtcdError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"etcd did not start: see {self.log.name}")
+                time.sleep(0.1)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None:
+            self.log.close()

@@ -1,0 +1,92 @@
+"""The etcd client against a real etcd: keys, compare-and-swap, leases that expire, watches, and an
+etcd that is gone or frozen (an error in bounded time, never a hang)."""
+import threading
+import time
+
+import pytest
+
+from daemon.etcd import Etcd, EtcdUnavailableError, prefix_end
+from tests.etcd_server import EtcdServer
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = EtcdServer(tmp_path / "etcd").start()
+    yield server
+    server.stop()
+
+
+def test_keys_round_trip_and_a_prefix_reads_only_its_own_keys(etcd):
+    c = Etcd.from_url(etcd.url)
+    c.put("/run/a/x", "1")
+    c.put("/run/a/y", b"\xff\x00")
+    c.put("/run/ab", "not under /run/a/")
+    kvs, revision = c.get_prefix("/run/a/")
+    assert [(kv.key, kv.value) for kv in kvs] == [(b"/run/a/x", b"1"), (b"/run/a/y", b"\xff\x00")]
+    assert revision >= kvs[-1].mod_revision
+    assert c.delete_prefix("/run/a/") == 2 and c.get("/run/a/x") is None and c.get("/run/ab").value == b"not under /run/a/"
+
+
+def test_compare_and_swap_lets_exactly_one_of_many_writers_win(etcd):
+    c = Etcd.from_url(etcd.url)
+    wins = []
+    threads = [threading.Thread(target=lambda i=i: wins.append(i) if c.put_if("/gen", f"node {i}", mod_revision=0)
+                                else None) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(wins) == 1 and c.get("/gen").value == f"node {wins[0]}".encode()
+    current = c.get("/gen")
+    assert c.put_if("/gen", "next", mod_revision=current.mod_revision)
+    assert not c.put_if("/gen", "stale", mod_revision=current.mod_revision)     # a writer that read too early
+    assert c.get("/gen").value == b"next"
+
+
+def test_a_lease_not_kept_alive_takes_its_keys_with_it(etcd):
+    c = Etcd.from_url(etcd.url)
+    kept, dropped = c.grant(2), c.grant(2)
+    c.put("/nodes/0", "alive", lease=kept)
+    c.put("/nodes/1", "alive", lease=dropped)
+    deadline = time.monotonic() + 4.5
+    while time.monotonic() < deadline:
+        assert c.keep_alive(kept) > 0
+        time.sleep(0.5)
+    assert c.get("/nodes/0") is not None and c.get("/nodes/1") is None
+    assert c.keep_alive(dropped) == 0                    # gone: renewing it says so
+    c.revoke(kept)
+    assert c.get("/nodes/0") is None
+    c.revoke(kept)                                       # twice: nothing to revoke, no error
+
+
+def test_a_watch_sees_every_change_from_its_revision_and_returns_when_idle(etcd):
+    c = Etcd.from_url(etcd.url)
+    _, revision = c.get_prefix("/w/")
+    c.put("/w/before-the-watch", "1")                    # after the revision read: still seen
+    threading.Timer(0.3, lambda: (c.put("/w/a", "2"), c.delete_prefix("/w/a"), c.put("/elsewhere", "x"))).start()
+    seen = []
+    started = time.monotonic()
+    for batch in c.watch_prefix("/w/", start_revision=revision + 1, idle_timeout_s=1.0):
+        seen += [(e.type, e.kv.key) for e in batch]
+    assert seen == [("PUT", b"/w/before-the-watch"), ("PUT", b"/w/a"), ("DELETE", b"/w/a")]
+    assert time.monotonic() - started < 5
+
+
+def test_an_etcd_that_is_gone_or_frozen_is_an_error_in_bounded_time(etcd):
+    c = Etcd.from_url(f"etcd://127.0.0.1:1,{etcd.url[len('etcd://'):]}", timeout_s=1.0)
+    c.put("/k", "v")                                     # the dead first endpoint is skipped
+    etcd.pause()
+    started = time.monotonic()
+    with pytest.raises(EtcdUnavailableError):
+        c.get("/k")
+    assert time.monotonic() - started < 3
+    etcd.resume()
+    assert c.get("/k").value == b"v"
+    etcd.stop()
+    with pytest.raises(EtcdUnavailableError, match="unreachable"):
+        c.get("/k")
+
+
+@pytest.mark.parametrize("prefix, end", [(b"/a/", b"/a0"), (b"a\xff", b"b"), (b"\xff\xff", b"\0")])
+def test_prefix_end_covers_exactly_the_prefix(prefix, end):
+    assert prefix_end(prefix) == end
