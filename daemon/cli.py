@@ -30,6 +30,7 @@ _EXIT_MEANINGS = {
     ExitCode.NO_DAEMON: "a request (pause, stop, inject, …) for a run no daemon is running (--queue leaves it)",
     ExitCode.INTERNAL_ERROR: "internal error (systemd restarts the service)",
     ExitCode.CANT_CREATE: "an output cannot be created (permissions, a read-only or virtual filesystem)",
+    ExitCode.TEMP_FAIL: "multi-node: etcd (run.coordinator) unreachable (systemd restarts the service)",
     ExitCode.CONFIG_ERROR: "bad configuration",
 }
 

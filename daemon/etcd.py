@@ -142,6 +142,9 @@ class Etcd:
             body["lease"] = str(lease)
         return int(self._post("/v3/kv/put", body)["header"]["revision"])
 
+    def delete(self, key: bytes | str) -> int:
+        return int(self._post("/v3/kv/deleterange", {"key": _b64(key)}).get("deleted", 0))
+
     def delete_prefix(self, prefix: bytes | str) -> int:
         prefix = prefix.encode() if isinstance(prefix, str) else prefix
         return int(self._post("/v3/kv/deleterange", {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))})

@@ -31,11 +31,12 @@ class Kind(str, enum.Enum):
     CHECKPOINT_FAILING = "checkpoint_failing"         # saves fail (a full or read-only disk): training goes on
     STRAGGLER = "straggler"                # a rank the others wait for (a warning; acted on when configured)
     DATA_CORRUPT = "data_corrupt"          # corpus blocks fail their checksums, found before training on them
+    NODE_LOST = "node_lost"                # multi-node: a node's daemon went silent (its lease expired) or restarted
 
     @property
     def is_process_fault(self) -> bool:
         """A fault of the processes, not of the numbers: restart from the latest checkpoint."""
-        return self in (Kind.CRASH, Kind.HANG, Kind.OOM, Kind.STRAGGLER)
+        return self in (Kind.CRASH, Kind.HANG, Kind.OOM, Kind.STRAGGLER, Kind.NODE_LOST)
 
     @property
     def taints_checkpoints(self) -> bool:

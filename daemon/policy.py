@@ -62,7 +62,7 @@ def _recurrences(kinds: Sequence[Kind], incident: Incident, history: RunHistory,
 def decide(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
     """The action for an incident that needs one (warnings never come here)."""
     kind = incident.kind
-    if kind in (Kind.CRASH, Kind.HANG, Kind.STRAGGLER):
+    if kind in (Kind.CRASH, Kind.HANG, Kind.STRAGGLER, Kind.NODE_LOST):
         if history.restarts_without_progress >= h.max_restarts_without_progress:
             return Halt(f"{history.restarts_without_progress} restarts without a new checkpoint",
                         ExitCode.GAVE_UP_CRASH_LOOP)

@@ -26,13 +26,16 @@ class ExitCode(enum.IntEnum):
     NO_DAEMON = 69          # a request for a run no daemon is running (EX_UNAVAILABLE)
     INTERNAL_ERROR = 70     # internal error (EX_SOFTWARE): the one code systemd restarts on
     CANT_CREATE = 73        # an output file or directory cannot be created (EX_CANTCREAT)
+    TEMP_FAIL = 75          # multi-node: etcd unreachable (at the start, or past run.coordinator_timeout_s) (EX_TEMPFAIL)
     CONFIG_ERROR = 78       # bad configuration (EX_CONFIG)
 
 
 # Codes after which restarting cannot help: the unit's RestartPreventExitStatus=.
 # Codes only the CLI's other commands use: never the daemon's.
 CLI_ONLY_EXIT_CODES = (ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON, ExitCode.CANT_CREATE)
-FINAL_EXIT_CODES = tuple(c for c in ExitCode if c is not ExitCode.INTERNAL_ERROR and c not in CLI_ONLY_EXIT_CODES)
+# 70 and 75 are worth a restart (systemd's Restart=on-failure): a bug's one-off, an etcd that comes back.
+FINAL_EXIT_CODES = tuple(c for c in ExitCode if c not in (ExitCode.INTERNAL_ERROR, ExitCode.TEMP_FAIL)
+                         and c not in CLI_ONLY_EXIT_CODES)
 
 # Events a worker must not lose (all but the per-step ones) wait this long for room on a full socket.
 DELIVER_WAIT_S = 5.0

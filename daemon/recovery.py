@@ -17,7 +17,7 @@ import tenacity
 from checkpointing import layout
 from daemon import policy
 from daemon.incidents import Action, Halt, Incident, IncidentRecord, Restart, Rollback
-from daemon.protocol import ExitCode
+from daemon.protocol import ExitCode, Recovery
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
 from engine.config import Config, HealthConfig, with_changes
@@ -123,3 +123,32 @@ class _Attempt:
 
     def __init__(self, attempt_number: int):
         self.attempt_number = attempt_number
+
+
+def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config) -> Decision:
+    """A node other than 0: node 0's decision, recorded and applied as it was made. This node's own
+    policy, given the same incident, must agree; if it does not, that is non-determinism between
+    the daemons (a bug), said loudly, and node 0's decision still stands."""
+    state = ledger.state
+    record = IncidentRecord.from_dict(published["record"])
+    steps = files.committed_steps()
+    if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as node 0's
+        progressed = (steps[-1] if steps else 0) > state.last_committed_step
+        state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
+    state.last_committed_step = record.committed_step if record.committed_step is not None else state.last_committed_step
+    history = policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
+                                committed_steps=steps, restarts_without_progress=state.restarts_without_progress,
+                                sample_ranges=ledger.sample_ranges,
+                                quarantined=state.recovery.quarantined_blocks if state.recovery else ())
+    own = policy.decide(record.incident, history, cfg.health, cfg.train)
+    state.status = "gave_up" if isinstance(record.action, Halt) else "restarting"
+    state.config_changes = dict(published.get("config_changes") or {})
+    state.recovery = Recovery.from_dict(published["recovery"]) if published.get("recovery") else None
+    ledger.record(record, "incident", "error")
+    if own.to_dict() != (record.action.to_dict() if record.action else None):
+        ledger.emit("decision_mismatch", level="critical", generation=record.generation,
+                    applied=record.action.to_dict() if record.action else None, own=own.to_dict(),
+                    detail="this node's policy decided otherwise than node 0's: the daemons are not deterministic "
+                           "(a bug); node 0's decision is applied")
+    new_cfg = cfg if isinstance(record.action, Halt) else with_changes(base_cfg, state.config_changes)
+    return Decision(action=record.action, record=record, cfg=new_cfg, resume_step=int(published["resume_step"]))

@@ -32,6 +32,9 @@ class RunFiles:
     def __init__(self, cfg: Config, env: Mapping[str, str]):
         self.name = cfg.run.name
         self.run_dir = cfg.run.resolved_dir(env).absolute()
+        # what is this node's own (its lock, state.json, control directory): the run directory itself on
+        # one machine; on several, which share the run directory, a directory per node inside it
+        self.node_dir = self.run_dir if cfg.run.nodes == 1 else self.run_dir / "nodes" / f"node-{cfg.run.node_rank}"
         self.log_dir = cfg.run.resolved_log_dir(env).absolute()
         self.ckpt_root = self.run_dir / "checkpoints"
         self.commands = self.run_dir / "commands.jsonl"

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from daemon import cluster, control, memcg, recovery, watch
+from daemon import control, memcg, peers, recovery, watch
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, kill_orphans, socket_path
 from daemon.health import HealthMonitor
@@ -41,11 +41,12 @@ class Supervisor:
         self.files = RunFiles(cfg, self.env)
         self.signals = 0                        # SIGTERM/SIGINT received
         self.stop_reason: str | None = None     # a stop asked for by a signal or the control directory
-        self.control = control.ControlDir(self.files.run_dir / "control")
+        self.control = control.ControlDir(self.files.node_dir / "control")
         self.monitor = HealthMonitor(cfg.health, precision=cfg.train.precision, loss_scale_min=cfg.train.loss_scale_min)
         self.memcg_parent: tuple[int, Path] | None = None
         self.ledger: Ledger | None = None       # made once the lock is held: it writes into the run
         self.backoff = recovery.Backoff(cfg.health)
+        self.peers = peers.Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
 
     @property
     def state(self):
@@ -54,7 +55,7 @@ class Supervisor:
     # Entry point -------------------------------------------------------------------------------
     def run(self) -> int:
         """Takes the run's lock before anything is written into the run directory."""
-        lock, stream = RunLock(self.files.run_dir), {"stream": self.stream} if self.stream else {}
+        lock, stream = RunLock(self.files.node_dir), {"stream": self.stream} if self.stream else {}
         try:
             lock.acquire()
         except (LockHeldError, LockUnusableError) as e:    # not a word into the run's log
@@ -64,16 +65,18 @@ class Supervisor:
             return ExitCode.LOCKED if held else ExitCode.CONFIG_ERROR
         log = EventLog(self.files.log_dir / "events.jsonl", self.cfg.run.name, **stream,
                        max_bytes=self.cfg.run.log_max_bytes, backups=self.cfg.run.log_backups)
-        self.ledger = Ledger(self.files.run_dir, log, Metrics(self.cfg.run.name), Notifier(self.env),
+        self.ledger = Ledger(self.files.node_dir, log, Metrics(self.cfg.run.name), Notifier(self.env),
                              self.cfg.train.steps)
         try:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
             signal.signal(signal.SIGHUP, lambda *_: setattr(self.ledger, "reopen_requested", True))
             code = self._start() or self._loop()      # _start returns an exit code only to end at once
+            self.peers.finish(code, self.state.status)
             self.ledger.notify.stopping(f"exiting with {int(code)} ({self.state.status})")
             return code
         finally:
+            self.peers.close()
             self.ledger.metrics.close()
             self.control.close()
             self.ledger.notify.close()
@@ -90,14 +93,17 @@ class Supervisor:
             metrics_url = ledger.metrics.start(self.cfg, self.state, self.files.ckpt_root)
             self.cfg = with_changes(self.base_cfg, self.state.config_changes)
             self.memcg_parent = memcg.locate() if self.cfg.run.worker_memory_limit_bytes else None
-        except (control.ControlDirError, memcg.CgroupError, ConfigError, MetricsPortError) as e:
-            ledger.emit("daemon_exit", level="error", code=int(ExitCode.CONFIG_ERROR), reason="config", detail=str(e))
-            return ExitCode.CONFIG_ERROR
+            self.peers.start(ledger, self.files)
+        except (control.ControlDirError, memcg.CgroupError, ConfigError, MetricsPortError,
+                peers.PeersUnavailableError) as e:
+            code = getattr(e, "code", ExitCode.CONFIG_ERROR)
+            ledger.emit("daemon_exit", level="error", code=int(code), reason="config", detail=str(e))
+            return code
         if self.state.processes and (killed := kill_orphans(self.state.processes, self.cfg.run.kill_grace_s)):
             ledger.emit("orphans_killed", level="warning", pids=[r["pid"] for r in killed],
                         detail="workers of a previous daemon were still running")
         ledger.begin(total_steps=self.cfg.train.steps, log_dir=self.files.log_dir.resolve())
-        if self.state.pending_rollback is not None:        # decided and recorded by a daemon that died
+        if self.state.pending_rollback is not None and self.peers.is_leader:   # recorded by a daemon that died
             recovery.finish_rollback(ledger, self.files, detail="finishing the rollback a killed daemon had recorded")
         committed = self.files.committed_step()
         ledger.emit("daemon_start", pid=os.getpid(), run_dir=str(self.files.run_dir), control_watcher=watcher,
@@ -112,8 +118,10 @@ class Supervisor:
     # Generations -------------------------------------------------------------------------------
     def _loop(self) -> int:
         self.state.last_committed_step = self.files.committed_step()
+        undecided = self.peers.unfinished(self.ledger)          # multi-node: ended while this daemon was away
         while True:
-            outcome = self._generation()
+            outcome = watch.Failed(undecided) if undecided else self._generation()
+            undecided = None
             if isinstance(outcome, (watch.Finished, watch.Stopped)):
                 kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
                 return self.ledger.exit(ExitCode.OK, kind, kind, step=outcome.step)
@@ -124,20 +132,24 @@ class Supervisor:
                 return code
 
     def _generation(self) -> watch.Outcome:
-        cfg, n, ledger = self.cfg, self.ledger.next_generation(), self.ledger
+        cfg, ledger = self.cfg, self.ledger
         try:
-            resume = self.files.prepare_generation(cfg, self.state.recovery)
+            opened = self.peers.open(ledger, self.files, cfg, stopping=lambda: self._sleep(0) == "stop")
         except OSError as e:              # a full or read-only run directory: a crash, with backoff
             return watch.Failed(Incident(kind=Kind.CRASH, first_step=0, last_step=0, detail=(
                 f"cannot write the generation's files under {self.files.run_dir}: {e.strerror or e}")))
+        if opened is None:
+            return self.peers.ended_run() or watch.Stopped(self.files.committed_step())
+        n, port, resume = opened.number, opened.port, opened.resume_step
+        self.cfg = cfg = with_changes(self.base_cfg, self.state.config_changes)
         self.monitor.rewind(resume)
-        ranks, port = self.files.local_ranks, cfg.run.master_port or cluster.free_port(cfg.run.master_addr)
-        gen = Generation(cfg, number=n, sock_path=socket_path(cfg, self.files.run_dir, self.env),
+        ranks = self.files.local_ranks
+        gen = Generation(cfg, number=n, sock_path=socket_path(cfg, self.files.node_dir, self.env),
                          log_dir=self.files.log_dir, memcg_parent=self.memcg_parent, cgroup_dir=self.files.cgroup_dir)
         outcome: watch.Outcome | None = None
         try:
             with gen:
-                if cfg.parallel.world_size > 1 and cfg.run.node_rank == 0 and self.scheduler_cmd:
+                if cfg.parallel.world_size > 1 and self.peers.is_leader and self.scheduler_cmd:
                     gen.start_scheduler(self.scheduler_cmd, self.files.scheduler_env(self.env, cfg, port=port,
                                                                                      generation=n))
                 for rank in ranks:
@@ -150,7 +162,7 @@ class Supervisor:
                             config_changes=self.state.config_changes or None)
                 w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(),
                                 log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
-                outcome = self._watch(gen, w)
+                outcome = self.peers.conclude(n, self._watch(gen, w, n))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s)
         finally:
             self.state.processes = []
@@ -159,7 +171,7 @@ class Supervisor:
                 ledger.emit("generation_end", outcome=type(outcome).__name__.lower(), **gen.final_memory)
         return outcome
 
-    def _watch(self, gen: Generation, w: watch.Watch) -> watch.Outcome:
+    def _watch(self, gen: Generation, w: watch.Watch, n: int) -> watch.Outcome:
         while True:
             now = time.monotonic()
             ended = gen.new_exits()          # before the events: a rank's last datagram precedes its exit
@@ -167,8 +179,11 @@ class Supervisor:
                 w.on_event(event, now)
             self._apply(w.drain(), gen)
             self.ledger.tick(now)
-            for request in self.ledger.take_control(self.control):
-                w.on_control(request, now)
+            for request in [*self.ledger.take_control(self.control), *self.peers.requests()]:
+                if not self.peers.forward(request):        # node 0 writes the ranks' commands for all
+                    w.on_control(request, now)
+            if (elsewhere := self.peers.hear(n, now)) is not None:
+                return elsewhere
             if self.stop_reason:
                 w.request_stop(self.stop_reason, now, force=self.signals > 1)
             for e in ended:
@@ -185,7 +200,7 @@ class Supervisor:
         ledger = self.ledger
         for e in effects:
             if isinstance(e, watch.Send):
-                ledger.command_sent(e.name, dict(e.args), self.files.append_command)
+                self.peers.send(e.name, dict(e.args), ledger, self.files.append_command)
             elif isinstance(e, watch.Note):
                 ledger.emit(e.event, level=e.level, **e.fields)
             elif isinstance(e, watch.Status):
@@ -198,7 +213,9 @@ class Supervisor:
                 ledger.checkpoint_failed(e.step, e.detail)
             elif isinstance(e, watch.Committed):
                 ledger.checkpoint_committed(e.step)
-                if retired := self.files.retire_old(self.cfg, self.state.incidents, current_step=e.current_step):
+                retired = self.peers.is_leader and self.files.retire_old(self.cfg, self.state.incidents,
+                                                                          current_step=e.current_step)
+                if retired:
                     ledger.emit("checkpoints_retired", step=e.step, steps=retired)
             elif isinstance(e, watch.DumpStacks):
                 gen.dump_stacks(e.ranks)
@@ -206,12 +223,14 @@ class Supervisor:
     # Between generations -----------------------------------------------------------------------
     def _recover(self, incident: Incident) -> int | None:
         """An incident ended the generation: decide, record, carry out. An exit code ends the daemon."""
-        decision = recovery.decide_and_record(incident, ledger=self.ledger, files=self.files, cfg=self.cfg,
-                                              base_cfg=self.base_cfg)
+        decision = self.peers.recover(incident, ledger=self.ledger, files=self.files, cfg=self.cfg,
+                                      base_cfg=self.base_cfg, stopping=lambda: self._sleep(0) == "stop")
+        if decision is None:
+            return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested awaiting the decision")
         if isinstance(decision.action, Halt):
             return recovery.give_up(decision, self.ledger)
         self.cfg = decision.cfg
-        delay = self.backoff.delay_s(decision, self.state.restarts_without_progress)
+        delay = self.backoff.delay_s(decision, self.state.restarts_without_progress) if self.peers.is_leader else 0
         recovery.count_restart(decision, self.ledger, backoff_s=delay)
         if self._sleep(delay) == "stop":
             return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested during backoff")
@@ -231,12 +250,15 @@ class Supervisor:
         return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested while paused")
 
     def _sleep(self, seconds: float, *, paused: bool = False) -> str | None:
-        """Waits, handling control requests while no ranks run: "stop" at once if a stop is asked for,
-        "resume" if one comes while `paused`, None when the time is up."""
+        """Waits (at least one look at the control directory), handling control requests while no ranks
+        run: "stop" at once if a stop is asked for, "resume" if one comes while `paused`, None when
+        the time is up. On a node other than 0 the requests go to node 0."""
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while True:
             self.ledger.tick()
             for request in self.ledger.take_control(self.control):
+                if self.peers.forward(request):
+                    continue
                 decision = watch.idle_control(request, paused=paused)
                 self.stop_reason = self.stop_reason or decision.stop_reason
                 if decision.note:
@@ -245,5 +267,6 @@ class Supervisor:
                     return "resume"
             if self.stop_reason:
                 return "stop"
-            time.sleep(max(0.0, min(TICK_S, deadline - time.monotonic())))
-        return "stop" if self.stop_reason else None
+            if (left := deadline - time.monotonic()) <= 0:
+                return None
+            time.sleep(min(TICK_S, left))

@@ -389,7 +389,8 @@ class RunConfig:
         if self.log_dir:
             return Path(self.log_dir)
         logs = env.get("LOGS_DIRECTORY")
-        return Path(logs.split(":")[0]) / self.name if logs else self.resolved_dir(env) / "logs"
+        base = Path(logs.split(":")[0]) / self.name if logs else self.resolved_dir(env) / "logs"
+        return base if self.nodes == 1 else base / f"node-{self.node_rank}"     # a shared run dir: one per node
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

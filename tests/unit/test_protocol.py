@@ -9,11 +9,12 @@ from daemon.protocol import FINAL_EXIT_CODES, ExitCode, ExitEvent, StepEvent, de
 def test_exit_codes_match_the_design_registry():
     assert {c.name: int(c) for c in ExitCode} == {
         "OK": 0, "SOAK_FAILED": 1, "USAGE": 2, "GAVE_UP_CRASH_LOOP": 3, "GAVE_UP_NUMERICS": 4, "LOCKED": 5,
-        "DATA_ERROR": 65, "NO_DAEMON": 69, "CANT_CREATE": 73, "INTERNAL_ERROR": 70, "CONFIG_ERROR": 78}
+        "DATA_ERROR": 65, "NO_DAEMON": 69, "CANT_CREATE": 73, "TEMP_FAIL": 75, "INTERNAL_ERROR": 70,
+        "CONFIG_ERROR": 78}
     assert ExitCode.INTERNAL_ERROR not in FINAL_EXIT_CODES
     # the daemon's final codes (the unit's RestartPreventExitStatus=); 1 and 69 are only the CLI's
     assert set(FINAL_EXIT_CODES) == set(ExitCode) - {ExitCode.INTERNAL_ERROR, ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON,
-                                                     ExitCode.CANT_CREATE}
+                                                     ExitCode.CANT_CREATE, ExitCode.TEMP_FAIL}   # 75: etcd returns
 
 
 def _step(**kw):

@@ -1,0 +1,340 @@
+"""This daemon's peers: none on one machine (`Alone`), or the other nodes' daemons through etcd (`Nodes`).
+
+Owns what the supervisor's loop does differently when a run spans machines, behind the few calls
+it makes: open a generation (node 0 prepares the shared files and publishes it; the others wait
+for it), hear during a generation that it ends elsewhere (a peer's incident, a node lost), say
+why it ended here (the first node to say it sets the cause for all), and, between generations,
+the recovery decision: node 0 decides and publishes it, the others apply exactly that and say so
+loudly if their own policy disagrees. Operator requests made on any node reach node 0, the only
+writer of the ranks' commands file. The etcd keys themselves are daemon.coordinator's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from typing import Callable
+
+from daemon import cluster, recovery, watch
+from daemon.control import Request
+from daemon.coordinator import Coordinator
+from daemon.etcd import Etcd, EtcdError
+from daemon.incidents import Incident, Kind
+from daemon.ledger import Ledger
+from daemon.protocol import ExitCode
+from daemon.run_files import RunFiles
+from engine.config import Config
+
+POLL_S = 0.2
+MARKER = "coordinator.marker"        # node 0 writes it into the run directory; the others must see it
+
+
+@dataclasses.dataclass(frozen=True)
+class Opened:
+    number: int
+    port: int
+    resume_step: int
+    members: tuple[int, ...] = ()
+
+
+class PeersUnavailableError(RuntimeError):
+    """The coordinator could not be reached, or the nodes do not form a run; `code` ends the daemon."""
+
+    def __init__(self, message: str, code: ExitCode):
+        super().__init__(message)
+        self.code = code
+
+
+class Alone:
+    """One machine: today's behaviour, no coordinator."""
+
+    is_leader = True
+
+    def start(self, ledger: Ledger, files: RunFiles) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def open(self, ledger: Ledger, files: RunFiles, cfg: Config, stopping: Callable[[], bool]) -> Opened | None:
+        n = ledger.next_generation()
+        resume = files.prepare_generation(cfg, ledger.state.recovery)
+        return Opened(n, cfg.run.master_port or cluster.free_port(cfg.run.master_addr), resume)
+
+    def hear(self, number: int, now: float) -> watch.Outcome | None:
+        return None
+
+    def requests(self) -> list[Request]:
+        return []
+
+    def forward(self, request: Request) -> bool:
+        return False
+
+    def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
+        ledger.command_sent(name, args, append)
+
+    def conclude(self, number: int, outcome: watch.Outcome) -> watch.Outcome:
+        return outcome
+
+    def unfinished(self, ledger: Ledger) -> Incident | None:
+        return None
+
+    def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
+                stopping: Callable[[], bool]) -> recovery.Decision | None:
+        return recovery.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
+
+    def finish(self, code: int, status: str) -> None:
+        pass
+
+    def ended_run(self) -> watch.Outcome | None:
+        return None
+
+
+class Nodes:
+    """A node of a multi-node run."""
+
+    def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.monotonic):
+        self.cfg, self.clock = cfg, clock
+        self.coord = Coordinator(cfg, Etcd.from_url(cfg.run.coordinator, timeout_s=2.0), clock=clock)
+        self.is_leader = self.coord.is_leader
+        self.members: tuple[int, ...] = ()
+        self.joined_at: int | None = None       # the generation number stored when this daemon joined
+        self.marker = ""                        # node 0's token for this daemon's run (see _check_shared)
+
+    def start(self, ledger: Ledger, files: RunFiles) -> None:
+        try:
+            # read before joining: node 0 starts no generation with this node until it has joined, so
+            # any generation stored now that names this node was one of a previous daemon's
+            stored = self.coord.client.get(self.coord.prefix + "generation")
+            self.joined_at = json.loads(stored.value).get("number", 0) if stored else 0
+            self.coord.join()
+            self._check_shared(files)
+        except EtcdError as e:
+            raise PeersUnavailableError(f"run.coordinator {self.cfg.run.coordinator}: {e}", ExitCode.TEMP_FAIL) from e
+        ledger.emit("node_joined", node=self.coord.node, nodes=self.cfg.run.nodes, leader=self.is_leader,
+                    live=self.coord.live_nodes(), stored_generation=self.joined_at, prefix=self.coord.prefix)
+
+    def close(self) -> None:
+        self.coord.leave()
+
+    def _check_shared(self, files: RunFiles) -> None:
+        """The run directory must be one filesystem for all nodes: node 0 writes a token into it and
+        into etcd; the others must find the same token in the file."""
+        path = files.run_dir / MARKER
+        if self.is_leader:
+            self.marker = uuid.uuid4().hex
+            files.run_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(self.marker)
+            self.coord.client.delete(self.coord.prefix + "run")        # a new daemon: the run goes on
+            self.coord.client.put(self.coord.prefix + "marker", self.marker)
+            return
+        deadline = self.clock() + max(10.0, self.cfg.run.node_rejoin_timeout_s)
+        while self.clock() < deadline:
+            stored = self.coord.client.get(self.coord.prefix + "marker")
+            try:
+                if stored is not None and path.read_text() == stored.value.decode():
+                    self.marker = stored.value.decode()
+                    return
+            except OSError:
+                pass
+            time.sleep(POLL_S)
+        raise PeersUnavailableError(
+            f"run.dir {files.run_dir} is not shared with node 0: its {MARKER} does not match what node 0 "
+            "published (every node must see the same run directory)", ExitCode.CONFIG_ERROR)
+
+    # Opening a generation -----------------------------------------------------------------------
+    def open(self, ledger: Ledger, files: RunFiles, cfg: Config, stopping: Callable[[], bool]) -> Opened | None:
+        """Node 0: every node live, then the shared files and the generation published. The others:
+        the next generation node 0 publishes. None: a stop came first."""
+        return self._lead(ledger, files, cfg, stopping) if self.is_leader else self._follow(ledger, stopping)
+
+    def _lead(self, ledger: Ledger, files: RunFiles, cfg: Config, stopping) -> Opened | None:
+        if self._wait_for(lambda: len(self.coord.live_nodes()) >= self.cfg.run.nodes, ledger, stopping,
+                          "waiting_for_nodes", self._missing) is None:
+            return None
+        resume = files.prepare_generation(cfg, ledger.state.recovery)
+        stored = self.coord.generation()
+        number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
+        members = tuple(range(self.cfg.run.nodes))
+        if not self._retrying(lambda: self.coord.publish_generation(
+                number, members=list(members), port=cfg.run.master_port, resume_step=resume,
+                config_changes=ledger.state.config_changes), ledger, stopping):
+            return None
+        self._set_generation(ledger, number, members)
+        return Opened(number, cfg.run.master_port, resume, members)
+
+    def _follow(self, ledger: Ledger, stopping) -> Opened | None:
+        def published():
+            g = self.coord.generation()
+            return g if g and g["number"] > max(ledger.state.generation, self.joined_at or 0) else None
+
+        g = self._wait_for(published, ledger, stopping, "waiting_for_generation",
+                           lambda: {"after": max(ledger.state.generation, self.joined_at or 0)})
+        if g is None:
+            return None
+        ledger.state.config_changes = dict(g.get("config_changes") or {})
+        self._set_generation(ledger, g["number"], tuple(g["members"]))
+        return Opened(g["number"], int(g["port"]), int(g["resume_step"]), self.members)
+
+    def _set_generation(self, ledger: Ledger, number: int, members: tuple[int, ...]) -> None:
+        ledger.state.generation = number - 1
+        ledger.next_generation()
+        self.members = members
+
+    def _missing(self) -> dict:
+        return {"live": self.coord.live_nodes(), "nodes": self.cfg.run.nodes}
+
+    def _wait_for(self, ready, ledger: Ledger, stopping, note: str, fields: Callable[[], dict]):
+        """Polls `ready()` until it returns something truthy (returned), or a stop (None); says once
+        what it waits for, and again every minute."""
+        said = None
+        while not stopping() and self.ended_run() is None:
+            got = ready()
+            if got:
+                return got
+            now = self.clock()
+            if said is None or now - said > 60:
+                ledger.emit(note, level="warning" if said else "info", **fields())
+                said = now
+            ledger.tick()
+            time.sleep(POLL_S)
+        return None
+
+    def _retrying(self, write: Callable[[], bool], ledger: Ledger, stopping) -> bool:
+        """A write to etcd, retried while etcd is away (decisions wait for it to return)."""
+        while not stopping():
+            try:
+                return write() or True
+            except EtcdError as e:
+                ledger.emit("coordinator_unreachable", level="warning", detail=str(e))
+                time.sleep(1.0)
+        return False
+
+    def finish(self, code: int, status: str) -> None:
+        """Node 0's daemon ends: the others, waiting for a generation, end the same way."""
+        if self.is_leader:
+            try:
+                self.coord.finish_run({"code": int(code), "status": status, "marker": self.marker})
+            except EtcdError:
+                pass
+
+    def ended_run(self) -> watch.Outcome | None:
+        """How node 0 ended the run this daemon belongs to, as this node's outcome; None: it goes on."""
+        end = None if self.is_leader else self.coord.run_end()
+        if not end or end.get("marker") != self.marker:
+            return None
+        if end.get("status") in ("finished", "stopped") and end.get("code") == 0:
+            return watch.Finished(None) if end["status"] == "finished" else watch.Stopped(None)
+        return watch.WorkerFailed(int(end.get("code", 1)), None, f"node 0's daemon ended the run: {end.get('status')}")
+
+    # During a generation ------------------------------------------------------------------------
+    def hear(self, number: int, now: float) -> watch.Outcome | None:
+        """The generation ends elsewhere: a peer said why, or a member node's daemon is gone."""
+        cause = self.coord.ended(number)
+        if cause is not None:
+            return _outcome(cause)
+        lost = sorted(set(self.members) - set(self.coord.live_nodes()))
+        if lost and self.coord.unreachable_s(now) < self.coord.ttl_s:     # etcd's silence is not a node's loss
+            return watch.Failed(Incident(kind=Kind.NODE_LOST, first_step=0, last_step=0, rank=None,
+                                         detail=f"node {lost[0]}'s daemon is gone (its etcd lease expired)",
+                                         evidence={"nodes": lost}))
+        return None
+
+    def requests(self) -> list[Request]:
+        """Node 0: operator requests dropped on any node."""
+        if not self.is_leader:
+            return []
+        return [Request(r["name"], dict(r.get("body") or {}), f"node {r.get('node')}: {r.get('file', '')}".rstrip(": "))
+                for r in self.coord.new_requests() if r.get("name")]
+
+    def forward(self, request: Request) -> bool:
+        """A request on a node that does not write the ranks' commands: sent to node 0 (True)."""
+        if self.is_leader:
+            return False
+        try:
+            self.coord.send_request(request.name, {**request.body, "file": request.file})
+        except EtcdError:
+            return False
+        return True
+
+    def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
+        """A command for the ranks: node 0 writes it for all; another node asks node 0 for a stop (its
+        own signal) and leaves the rest to node 0, which saw the same requests."""
+        if self.is_leader:
+            ledger.command_sent(name, args, append)
+        elif name == "stop" and self.forward(Request("stop", {"reason": f"node {self.coord.node} stopping"}, "signal")):
+            ledger.emit("stop_forwarded", node=self.coord.node, detail="asked node 0 to stop the run")
+
+    def conclude(self, number: int, outcome: watch.Outcome) -> watch.Outcome:
+        """Says why the generation ended here; the cause every node goes by (the first one said)."""
+        try:
+            return _outcome(self.coord.end_generation(number, _cause(outcome)))
+        except EtcdError:
+            return outcome
+
+    def unfinished(self, ledger: Ledger) -> Incident | None:
+        """At the start: the generation this node was in when its daemon died may still run elsewhere
+        without it: it ends (a node lost) so the run restarts with this node. Node 0 returns the
+        incident of a generation that ended undecided: it decides that first."""
+        g = self.coord.generation()
+        if not g:
+            return None
+        number, members = g["number"], tuple(g.get("members", ()))
+        if number > (self.joined_at or 0):           # started since this daemon joined: it is in it
+            return None
+        cause = self.coord.ended(number)
+        if cause is None and self.coord.node in members:
+            incident = Incident(kind=Kind.NODE_LOST, first_step=0, last_step=0,
+                                detail=f"node {self.coord.node}'s daemon restarted during generation {number}",
+                                evidence={"nodes": [self.coord.node]})
+            cause = self.coord.end_generation(number, _cause(watch.Failed(incident)))
+        if not self.is_leader or cause is None or self.coord.decision(number) is not None:
+            return None
+        outcome = _outcome(cause)
+        if not isinstance(outcome, watch.Failed):
+            return None
+        self._set_generation(ledger, number, members)
+        return outcome.incident
+
+    # Between generations ------------------------------------------------------------------------
+    def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
+                stopping: Callable[[], bool]) -> recovery.Decision | None:
+        """Node 0 decides (as on one machine) and publishes; the others apply what it published.
+        None: a stop came while waiting for the decision."""
+        number = ledger.state.generation
+        if self.is_leader:
+            decision = recovery.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
+            published = {"record": decision.record.to_dict(), "config_changes": ledger.state.config_changes,
+                         "recovery": ledger.state.recovery.to_dict() if ledger.state.recovery else None,
+                         "resume_step": decision.resume_step}
+            if not self._retrying(lambda: self.coord.publish_decision(number, published), ledger, stopping):
+                return None
+            self.coord.forget_before(number)
+            return decision
+        published = self._wait_for(lambda: self.coord.decision(number), ledger, stopping, "waiting_for_decision",
+                                   lambda: {"generation": number})
+        if published is None:
+            return None
+        return recovery.apply_published(published, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
+
+
+def _cause(outcome: watch.Outcome) -> dict:
+    if isinstance(outcome, watch.Failed):
+        return {"outcome": "failed", "incident": outcome.incident.to_dict()}
+    if isinstance(outcome, watch.WorkerFailed):
+        return {"outcome": "worker_failed", "code": outcome.code, "rank": outcome.rank, "detail": outcome.detail}
+    return {"outcome": type(outcome).__name__.lower(), "step": getattr(outcome, "step", None)}
+
+
+def _outcome(cause: dict) -> watch.Outcome:
+    kind = cause.get("outcome")
+    if kind == "failed":
+        return watch.Failed(Incident.from_dict(cause["incident"]))
+    if kind == "worker_failed":
+        return watch.WorkerFailed(int(cause["code"]), cause.get("rank"), cause.get("detail", ""))
+    if kind == "stopped":
+        return watch.Stopped(cause.get("step"))
+    if kind == "released":
+        return watch.Released(cause.get("step"))
+    return watch.Finished(cause.get("step"))

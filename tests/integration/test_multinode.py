@@ -1,0 +1,137 @@
+"""Two real supervisors (nodes 0 and 1 of one run, one fake rank each) agreeing through a real etcd:
+the same generations, one decision per incident applied by both, requests on either node acting on
+both, a node's daemon lost and back, and the run directory and etcd checked at the start."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.etcd_server import EtcdServer
+from tests.integration.test_recovery_policy import QUICK_HEALTH
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST = ["health.restart_backoff_initial_s=0.1", "health.restart_backoff_max_s=0.5", "run.kill_grace_s=2"]
+
+
+@pytest.fixture
+def etcd(tmp_path):
+    server = EtcdServer(tmp_path / "etcd").start()
+    yield server
+    server.stop()
+
+
+def _node(i, run, etcd_url, *overrides, fake=(), log_dir=None):
+    sets = [f'run.dir="{run}"', "run.nodes=2", f"run.node_rank={i}", "parallel.dp=2", "train.micro_batch=4",
+            "run.master_port=29999", f'run.coordinator="{etcd_url}"', "run.node_lease_ttl_s=2", *FAST, *overrides]
+    args = sum((["--set", s] for s in sets), [])
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "tests.integration.supervise_fake", *args, "--", *fake],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _both(run, etcd, *overrides, fake=(), timeout=90):
+    procs = [_node(i, run, etcd.url, *overrides, fake=fake) for i in (0, 1)]
+    return [_finish(p, timeout) for p in procs]
+
+
+def _finish(proc, timeout=90):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, [json.loads(l) for l in out.splitlines() if l.startswith("{")], err
+
+
+def _named(events, name):
+    return [e for e in events if e["event"] == name]
+
+
+def test_a_crash_on_node_1_ends_the_generation_on_both_and_one_decision_restarts_both(tmp_path, etcd):
+    results = _both(tmp_path / "run", etcd, fake=["--steps", "30", "--crash-at", "12", "--rank-faults", "1",
+                                                  "--fault-generations", "1"])
+    (code0, ev0, err0), (code1, ev1, err1) = results
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert [e["generation"] for e in _named(ev0, "generation_start")] == [1, 2]
+    assert [e["generation"] for e in _named(ev1, "generation_start")] == [1, 2]
+    assert _named(ev0, "generation_start")[0]["ranks"] == [0] and _named(ev1, "generation_start")[0]["ranks"] == [1]
+    inc0, inc1 = _named(ev0, "incident"), _named(ev1, "incident")
+    assert len(inc0) == len(inc1) == 1 and inc0[0]["kind"] == inc1[0]["kind"] == "crash"
+    assert inc0[0]["rank"] == inc1[0]["rank"] == 1 and inc0[0]["action"] == inc1[0]["action"]
+    assert not _named(ev1, "decision_mismatch")
+    assert _named(ev0, "daemon_exit")[0]["reason"] == _named(ev1, "daemon_exit")[0]["reason"] == "finished"
+    # the node's own files: its state, lock, control directory and logs apart from the other node's
+    for i in (0, 1):
+        assert (tmp_path / "run" / "nodes" / f"node-{i}" / "state.json").exists()
+        assert (tmp_path / "run" / "logs" / f"node-{i}" / "events.jsonl").exists()
+
+
+def test_a_loss_spike_is_decided_once_by_node_0_and_applied_identically_by_node_1(tmp_path, etcd):
+    (code0, ev0, err0), (code1, ev1, err1) = _both(tmp_path / "run", etcd, *QUICK_HEALTH, fake=[
+        "--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"])
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    inc0, inc1 = _named(ev0, "incident"), _named(ev1, "incident")
+    assert len(inc0) == 1 and inc0[0]["kind"] == "loss_spike" and inc0[0]["action"]["type"] == "rollback"
+    assert [(e["kind"], e["action"], e["generation"]) for e in inc1] == [(e["kind"], e["action"], e["generation"])
+                                                                       for e in inc0]
+    assert not _named(ev1, "decision_mismatch")
+    assert len(_named(ev0, "rollback")) == 1 and not _named(ev1, "rollback")    # node 0 moves the files, once
+
+
+def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd):
+    run = tmp_path / "run"
+    procs = [_node(i, run, etcd.url, fake=["--steps", "100000", "--interval", "5"]) for i in (0, 1)]
+    deadline = time.monotonic() + 30
+    control = run / "nodes" / "node-1" / "control"
+    while not (control.is_dir() and (run / "logs" / "node-1" / "rank-1.log").exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    (control / "stop").write_text(json.dumps({"reason": "maintenance"}))
+    (code0, ev0, err0), (code1, ev1, err1) = [_finish(p, 60) for p in procs]
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert _named(ev0, "daemon_exit")[0]["reason"] == _named(ev1, "daemon_exit")[0]["reason"] == "stopped"
+    assert [e["args"] for e in _named(ev0, "command_sent") if e["name"] == "stop"]           # node 0 wrote it
+    assert not _named(ev1, "command_sent")                                                   # node 1 never does
+
+
+def test_node_1_s_daemon_killed_and_restarted_rejoins_and_the_run_finishes(tmp_path, etcd):
+    run = tmp_path / "run"
+    fake = ["--steps", "80", "--interval", "5", "--step-s", "0.1"]
+    node0, node1 = _node(0, run, etcd.url, fake=fake), _node(1, run, etcd.url, fake=fake)
+    deadline = time.monotonic() + 30
+    log = run / "logs" / "node-1" / "rank-1.log"
+    while not (log.exists() and log.read_text().count('"kind": "step"') >= 10) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    node1.send_signal(signal.SIGKILL)
+    node1.wait()
+    time.sleep(3.0)                                   # past the node's lease (2 s): node 0 sees it lost
+    node1 = _node(1, run, etcd.url, fake=fake)
+    (code0, ev0, err0), (code1, ev1, err1) = _finish(node0, 120), _finish(node1, 120)
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    kinds = [e["kind"] for e in _named(ev0, "incident")]
+    assert kinds and kinds[0] == "node_lost", kinds
+    gens1 = [e["generation"] for e in _named(ev1, "generation_start")]
+    assert gens1 and gens1 == [e["generation"] for e in _named(ev0, "generation_start")][-len(gens1):]
+    assert _named(ev0, "daemon_exit")[0]["reason"] == _named(ev1, "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_a_run_directory_not_shared_with_node_0_is_refused(tmp_path, etcd):
+    node0 = _node(0, tmp_path / "run", etcd.url, "run.node_rejoin_timeout_s=1", fake=["--steps", "100000"])
+    try:
+        code, events, _ = _finish(_node(1, tmp_path / "elsewhere", etcd.url, "run.node_rejoin_timeout_s=1"), 60)
+    finally:
+        node0.send_signal(signal.SIGTERM)
+        _finish(node0, 60)
+    assert code == 78
+    assert "is not shared with node 0" in _named(events, "daemon_exit")[0]["detail"]
+
+
+def test_an_unreachable_coordinator_at_the_start_is_exit_75_in_one_line(tmp_path):
+    code, events, err = _finish(_node(0, tmp_path / "run", "etcd://127.0.0.1:1"), 60)
+    assert code == 75 and "etcd unreachable" in _named(events, "daemon_exit")[0]["detail"]
+    assert "Traceback" not in err
