@@ -42,11 +42,7 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
         progressed = committed > state.last_committed_step
         state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
     state.last_committed_step = committed
-    history = policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
-                                committed_steps=steps,
-                                restarts_without_progress=state.restarts_without_progress,
-                                sample_ranges=ledger.sample_ranges,
-                                quarantined=state.recovery.quarantined_blocks if state.recovery else ())
+    history = _history(ledger, steps)
     action = policy.decide(incident, history, cfg.health, cfg.train)
     state.status = "gave_up" if isinstance(action, Halt) else "restarting"
     if isinstance(action, Restart):
@@ -63,6 +59,15 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
     return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume)
+
+
+def _history(ledger: Ledger, steps: list[int]) -> policy.RunHistory:
+    """What the policy is told of the run: its rollbacks, checkpoints, restarts, samples, quarantine."""
+    state = ledger.state
+    return policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
+                             committed_steps=steps, restarts_without_progress=state.restarts_without_progress,
+                             sample_ranges=ledger.sample_ranges,
+                             quarantined=state.recovery.quarantined_blocks if state.recovery else ())
 
 
 def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
@@ -136,10 +141,7 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
         progressed = (steps[-1] if steps else 0) > state.last_committed_step
         state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
     state.last_committed_step = record.committed_step if record.committed_step is not None else state.last_committed_step
-    history = policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
-                                committed_steps=steps, restarts_without_progress=state.restarts_without_progress,
-                                sample_ranges=ledger.sample_ranges,
-                                quarantined=state.recovery.quarantined_blocks if state.recovery else ())
+    history = _history(ledger, steps)
     own = policy.decide(record.incident, history, cfg.health, cfg.train)
     state.status = "gave_up" if isinstance(record.action, Halt) else "restarting"
     state.config_changes = dict(published.get("config_changes") or {})
