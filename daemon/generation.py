@@ -172,6 +172,17 @@ class Generation:
     def ranks(self) -> list[Worker]:
         return [w for w in self.workers if w.role == "rank"]
 
+    def launch(self, files, env: Mapping[str, str], *, worker_cmd: Sequence[str], scheduler_cmd: Sequence[str] | None,
+               port: int, ranks: Sequence[int]) -> None:
+        """MindSpore's scheduler (given `scheduler_cmd`, with more than one rank in all) and this node's
+        ranks, with the environments and files of `files` (a daemon.run_files.RunFiles)."""
+        cfg, n = self.cfg, self.number
+        if cfg.parallel.world_size > 1 and scheduler_cmd:
+            self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
+        for rank in ranks:
+            self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
+                            files.rank_env(env, cfg, rank=rank, port=port, generation=n, sock=self.sock_path))
+
     def start_scheduler(self, cmd: Sequence[str], env: Mapping[str, str]) -> None:
         self.workers.append(spawn(cmd, env=env, role="scheduler", rank=-1, log_path=self.log_dir / "scheduler.log"))
 

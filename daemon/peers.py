@@ -24,7 +24,8 @@ from daemon.incidents import Incident, Kind
 from daemon.ledger import Ledger
 from daemon.protocol import ExitCode
 from daemon.run_files import RunFiles
-from engine.config import Config
+from engine.elastic import shape_on
+from engine.config import Config, with_changes
 
 POLL_S = 0.2
 MARKER = "coordinator.marker"        # node 0 writes it into the run directory; the others must see it
@@ -35,6 +36,8 @@ class Opened:
     number: int
     port: int
     resume_step: int
+    cfg: Config                   # what this generation's ranks run with (the shape of its nodes)
+    ranks: tuple[int, ...]        # this node's ranks in it
     members: tuple[int, ...] = ()
 
 
@@ -57,10 +60,15 @@ class Alone:
     def close(self) -> None:
         pass
 
-    def open(self, ledger: Ledger, files: RunFiles, cfg: Config, stopping: Callable[[], bool]) -> Opened | None:
+    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
         n = ledger.next_generation()
+        cfg = with_changes(base, ledger.state.config_changes)
         resume = files.prepare_generation(cfg, ledger.state.recovery)
-        return Opened(n, cfg.run.master_port or cluster.free_port(cfg.run.master_addr), resume)
+        return Opened(n, cfg.run.master_port or cluster.free_port(cfg.run.master_addr), resume, cfg,
+                      tuple(files.local_ranks))
+
+    def cut_off(self, now: float) -> bool:
+        return False
 
     def hear(self, number: int, now: float) -> watch.Outcome | None:
         return None
@@ -101,6 +109,7 @@ class Nodes:
         self.members: tuple[int, ...] = ()
         self.joined_at: int | None = None       # the generation number stored when this daemon joined
         self.marker = ""                        # node 0's token for this daemon's run (see _check_shared)
+        self._waiting_since: float | None = None  # node 0 began to wait for missing nodes
 
     def start(self, ledger: Ledger, files: RunFiles) -> None:
         try:
@@ -144,38 +153,91 @@ class Nodes:
             "published (every node must see the same run directory)", ExitCode.CONFIG_ERROR)
 
     # Opening a generation -----------------------------------------------------------------------
-    def open(self, ledger: Ledger, files: RunFiles, cfg: Config, stopping: Callable[[], bool]) -> Opened | None:
-        """Node 0: every node live, then the shared files and the generation published. The others:
-        the next generation node 0 publishes. None: a stop came first."""
-        return self._lead(ledger, files, cfg, stopping) if self.is_leader else self._follow(ledger, stopping)
+    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
+        """Node 0: its nodes gathered, then the shared files and the generation published. The others:
+        the next generation node 0 publishes with them in it. None: a stop came first. Raises
+        PeersUnavailableError when the run cannot go on (too few nodes, etcd or node 0 gone too long)."""
+        return self._lead(ledger, files, base, stopping) if self.is_leader else self._follow(ledger, base, stopping)
 
-    def _lead(self, ledger: Ledger, files: RunFiles, cfg: Config, stopping) -> Opened | None:
-        if self._wait_for(lambda: len(self.coord.live_nodes()) >= self.cfg.run.nodes, ledger, stopping,
-                          "waiting_for_nodes", self._missing) is None:
+    def _lead(self, ledger: Ledger, files: RunFiles, base: Config, stopping) -> Opened | None:
+        members = self._wait_for(self._gathered, ledger, stopping, "waiting_for_nodes", self._missing)
+        if members is None:
             return None
+        cfg = self._shaped(base, ledger.state.config_changes, members)
+        if len(members) < self.cfg.run.nodes:
+            ledger.emit("nodes_shrunk", level="warning", members=list(members),
+                        lost=sorted(set(range(self.cfg.run.nodes)) - set(members)), dp=cfg.parallel.dp,
+                        micro_batch=cfg.train.micro_batch, grad_accum_steps=cfg.train.grad_accum_steps,
+                        detail=f"going on with {len(members)} of {self.cfg.run.nodes} nodes, the same global batch")
+        elif len(self.members) < self.cfg.run.nodes and self.members:
+            ledger.emit("nodes_rejoined", members=list(members), dp=cfg.parallel.dp)
         resume = files.prepare_generation(cfg, ledger.state.recovery)
         stored = self.coord.generation()
         number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
-        members = tuple(range(self.cfg.run.nodes))
         if not self._retrying(lambda: self.coord.publish_generation(
                 number, members=list(members), port=cfg.run.master_port, resume_step=resume,
                 config_changes=ledger.state.config_changes), ledger, stopping):
             return None
         self._set_generation(ledger, number, members)
-        return Opened(number, cfg.run.master_port, resume, members)
+        return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members)
 
-    def _follow(self, ledger: Ledger, stopping) -> Opened | None:
+    def _follow(self, ledger: Ledger, base: Config, stopping) -> Opened | None:
         def published():
             g = self.coord.generation()
-            return g if g and g["number"] > max(ledger.state.generation, self.joined_at or 0) else None
+            after = max(ledger.state.generation, self.joined_at or 0)
+            return g if g and g["number"] > after and self.coord.node in g.get("members", ()) else None
 
         g = self._wait_for(published, ledger, stopping, "waiting_for_generation",
-                           lambda: {"after": max(ledger.state.generation, self.joined_at or 0)})
+                           lambda: {"after": max(ledger.state.generation, self.joined_at or 0)}, need_leader=True)
         if g is None:
             return None
         ledger.state.config_changes = dict(g.get("config_changes") or {})
-        self._set_generation(ledger, g["number"], tuple(g["members"]))
-        return Opened(g["number"], int(g["port"]), int(g["resume_step"]), self.members)
+        members = tuple(g["members"])
+        self._set_generation(ledger, g["number"], members)
+        return Opened(g["number"], int(g["port"]), int(g["resume_step"]),
+                      self._shaped(base, ledger.state.config_changes, members), self._ranks(members), members)
+
+    def _live(self) -> list[int]:
+        return [n for n in self.coord.live_nodes() if 0 <= n < self.cfg.run.nodes]
+
+    def _gathered(self) -> tuple[int, ...] | None:
+        """Node 0: every node; or, once run.node_rejoin_timeout_s has passed since node 0 began to
+        wait with some missing, the live ones if they are at least run.min_nodes (else the run ends)."""
+        live, run = self._live(), self.cfg.run
+        if len(live) == run.nodes:
+            self._waiting_since = None
+            return tuple(live)
+        now = self.clock()
+        self._waiting_since = self._waiting_since if self._waiting_since is not None else now
+        if now - self._waiting_since < run.node_rejoin_timeout_s:
+            return None
+        if len(live) >= run.quorum:
+            self._waiting_since = None
+            return tuple(live)
+        raise PeersUnavailableError(
+            f"only {len(live)} of run.nodes = {run.nodes} nodes are up (nodes {live}) after run.node_rejoin_timeout_s "
+            f"= {run.node_rejoin_timeout_s:g} s, fewer than run.min_nodes = {run.quorum}", ExitCode.TEMP_FAIL)
+
+    def _shaped(self, base: Config, changes: dict, members: tuple[int, ...]) -> Config:
+        """The config of a generation of `members`: the policy's changes, and the data-parallel size of
+        these nodes with the same global batch (engine.elastic); the same on every node."""
+        merged = dict(changes)
+        micro = merged.get("train.micro_batch", base.train.micro_batch)
+        per_node = base.parallel.world_size // base.run.nodes
+        shape = shape_on(len(members), ranks_per_node=per_node, model_parallel=base.parallel.tp * base.parallel.pp,
+                                 global_batch=base.train.global_batch, micro_batch=micro)
+        if shape is None:       # refused when the config was read (engine.config._check_elastic)
+            raise PeersUnavailableError(f"no shape keeps train.global_batch on {len(members)} nodes", ExitCode.CONFIG_ERROR)
+        slot = members.index(self.coord.node) if self.coord.node in members else 0
+        merged.update({"parallel.dp": shape.dp, "train.micro_batch": shape.micro_batch,
+                       "train.grad_accum_steps": shape.grad_accum_steps, "run.nodes": len(members),
+                       "run.node_rank": slot, "run.min_nodes": 0})
+        return with_changes(base, merged)
+
+    def _ranks(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        per_node = self.cfg.parallel.world_size // self.cfg.run.nodes
+        slot = members.index(self.coord.node)
+        return tuple(range(slot * per_node, (slot + 1) * per_node))
 
     def _set_generation(self, ledger: Ledger, number: int, members: tuple[int, ...]) -> None:
         ledger.state.generation = number - 1
@@ -185,15 +247,25 @@ class Nodes:
     def _missing(self) -> dict:
         return {"live": self.coord.live_nodes(), "nodes": self.cfg.run.nodes}
 
-    def _wait_for(self, ready, ledger: Ledger, stopping, note: str, fields: Callable[[], dict]):
+    def _wait_for(self, ready, ledger: Ledger, stopping, note: str, fields: Callable[[], dict], *,
+                  need_leader: bool = False):
         """Polls `ready()` until it returns something truthy (returned), or a stop (None); says once
-        what it waits for, and again every minute."""
-        said = None
+        what it waits for, and again every minute. Raises PeersUnavailableError once etcd has been
+        unreachable past run.coordinator_timeout_s or (`need_leader`) node 0 gone past
+        run.node_rejoin_timeout_s."""
+        said, leader_seen = None, self.clock()
         while not stopping() and self.ended_run() is None:
             got = ready()
             if got:
                 return got
             now = self.clock()
+            self._check_coordinator(now)
+            if not need_leader or 0 in self._live() or self.coord.unreachable_s(now) > 0.5 * self.coord.ttl_s:
+                leader_seen = now
+            elif now - leader_seen > self.cfg.run.node_rejoin_timeout_s:
+                raise PeersUnavailableError(
+                    f"node 0's daemon has been gone for more than run.node_rejoin_timeout_s = "
+                    f"{self.cfg.run.node_rejoin_timeout_s:g} s; node 0 decides for the run", ExitCode.TEMP_FAIL)
             if said is None or now - said > 60:
                 ledger.emit(note, level="warning" if said else "info", **fields())
                 said = now
@@ -202,14 +274,31 @@ class Nodes:
         return None
 
     def _retrying(self, write: Callable[[], bool], ledger: Ledger, stopping) -> bool:
-        """A write to etcd, retried while etcd is away (decisions wait for it to return)."""
+        """A write to etcd, retried while etcd is away (decisions wait for it to return), until
+        run.coordinator_timeout_s (PeersUnavailableError). True: written (a lost compare-and-swap
+        included: another writer moved on, which the caller reads from the mirror)."""
+        said = False
         while not stopping():
             try:
-                return write() or True
+                write()
+                return True
             except EtcdError as e:
-                ledger.emit("coordinator_unreachable", level="warning", detail=str(e))
+                if not said:
+                    ledger.emit("coordinator_unreachable", level="warning", detail=str(e))
+                    said = True
+                self._check_coordinator(self.clock())
                 time.sleep(1.0)
         return False
+
+    def _check_coordinator(self, now: float) -> None:
+        if self.cut_off(now):
+            raise PeersUnavailableError(
+                f"etcd at {self.cfg.run.coordinator} has been unreachable for more than "
+                f"run.coordinator_timeout_s = {self.cfg.run.coordinator_timeout_s:g} s", ExitCode.TEMP_FAIL)
+
+    def cut_off(self, now: float) -> bool:
+        """etcd silent past run.coordinator_timeout_s: the run checkpoints and stops (exit 75)."""
+        return self.coord.unreachable_s(now) > self.cfg.run.coordinator_timeout_s
 
     def finish(self, code: int, status: str) -> None:
         """Node 0's daemon ends: the others, waiting for a generation, end the same way."""
@@ -230,11 +319,16 @@ class Nodes:
 
     # During a generation ------------------------------------------------------------------------
     def hear(self, number: int, now: float) -> watch.Outcome | None:
-        """The generation ends elsewhere: a peer said why, or a member node's daemon is gone."""
+        """The generation ends elsewhere: a peer said why, or a member node's daemon is gone; or, on
+        node 0 of a smaller generation, a lost node is back (regroup: the ranks save and the next
+        generation takes it back)."""
         cause = self.coord.ended(number)
         if cause is not None:
             return _outcome(cause)
-        lost = sorted(set(self.members) - set(self.coord.live_nodes()))
+        live = self._live()
+        if self.is_leader and (back := sorted(set(live) - set(self.members))):
+            return watch.Regroup(None, tuple(back))
+        lost = sorted(set(self.members) - set(live))
         if lost and self.coord.unreachable_s(now) < self.coord.ttl_s:     # etcd's silence is not a node's loss
             return watch.Failed(Incident(kind=Kind.NODE_LOST, first_step=0, last_step=0, rank=None,
                                          detail=f"node {lost[0]}'s daemon is gone (its etcd lease expired)",
@@ -324,6 +418,8 @@ def _cause(outcome: watch.Outcome) -> dict:
         return {"outcome": "failed", "incident": outcome.incident.to_dict()}
     if isinstance(outcome, watch.WorkerFailed):
         return {"outcome": "worker_failed", "code": outcome.code, "rank": outcome.rank, "detail": outcome.detail}
+    if isinstance(outcome, watch.Regroup):
+        return {"outcome": "regroup", "step": outcome.step, "nodes": list(outcome.nodes)}
     return {"outcome": type(outcome).__name__.lower(), "step": getattr(outcome, "step", None)}
 
 
@@ -337,4 +433,6 @@ def _outcome(cause: dict) -> watch.Outcome:
         return watch.Stopped(cause.get("step"))
     if kind == "released":
         return watch.Released(cause.get("step"))
+    if kind == "regroup":
+        return watch.Regroup(cause.get("step"), tuple(cause.get("nodes") or ()))
     return watch.Finished(cause.get("step"))

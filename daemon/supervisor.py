@@ -41,6 +41,7 @@ class Supervisor:
         self.files = RunFiles(cfg, self.env)
         self.signals = 0                        # SIGTERM/SIGINT received
         self.stop_reason: str | None = None     # a stop asked for by a signal or the control directory
+        self.stop_code = ExitCode.OK            # the exit code of that stop (75: etcd gone too long)
         self.control = control.ControlDir(self.files.node_dir / "control")
         self.monitor = HealthMonitor(cfg.health, precision=cfg.train.precision, loss_scale_min=cfg.train.loss_scale_min)
         self.memcg_parent: tuple[int, Path] | None = None
@@ -120,41 +121,42 @@ class Supervisor:
         self.state.last_committed_step = self.files.committed_step()
         undecided = self.peers.unfinished(self.ledger)          # multi-node: ended while this daemon was away
         while True:
-            outcome = watch.Failed(undecided) if undecided else self._generation()
-            undecided = None
-            if isinstance(outcome, (watch.Finished, watch.Stopped)):
-                kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
-                return self.ledger.exit(ExitCode.OK, kind, kind, step=outcome.step)
-            if isinstance(outcome, watch.WorkerFailed):
-                return self.ledger.exit(outcome.code, "failed", "worker_error", "error", detail=outcome.detail)
-            code = self._wait_for_resume() if isinstance(outcome, watch.Released) else self._recover(outcome.incident)
+            try:
+                outcome = watch.Failed(undecided) if undecided else self._generation()
+                undecided = None
+                if isinstance(outcome, (watch.Finished, watch.Stopped)):
+                    kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
+                    code = self.stop_code if kind == "stopped" else ExitCode.OK
+                    return self.ledger.exit(code, kind, kind, step=outcome.step, **({"detail": self.stop_reason} if self.stop_reason else {}))
+                if isinstance(outcome, watch.WorkerFailed):
+                    return self.ledger.exit(outcome.code, "failed", "worker_error", "error", detail=outcome.detail)
+                if isinstance(outcome, watch.Regroup):        # multi-node: a lost node is back
+                    continue
+                code = self._wait_for_resume() if isinstance(outcome, watch.Released) else self._recover(outcome.incident)
+            except peers.PeersUnavailableError as e:     # too few nodes, or etcd or node 0 gone too long
+                return self.ledger.exit(e.code, "failed", "nodes", "error", detail=str(e))
             if code is not None:
                 return code
 
     def _generation(self) -> watch.Outcome:
         cfg, ledger = self.cfg, self.ledger
         try:
-            opened = self.peers.open(ledger, self.files, cfg, stopping=lambda: self._sleep(0) == "stop")
+            opened = self.peers.open(ledger, self.files, self.base_cfg, stopping=lambda: self._sleep(0) == "stop")
         except OSError as e:              # a full or read-only run directory: a crash, with backoff
             return watch.Failed(Incident(kind=Kind.CRASH, first_step=0, last_step=0, detail=(
                 f"cannot write the generation's files under {self.files.run_dir}: {e.strerror or e}")))
         if opened is None:
             return self.peers.ended_run() or watch.Stopped(self.files.committed_step())
-        n, port, resume = opened.number, opened.port, opened.resume_step
-        self.cfg = cfg = with_changes(self.base_cfg, self.state.config_changes)
+        n, port, resume, ranks = opened.number, opened.port, opened.resume_step, list(opened.ranks)
+        self.cfg = cfg = opened.cfg
         self.monitor.rewind(resume)
-        ranks = self.files.local_ranks
         gen = Generation(cfg, number=n, sock_path=socket_path(cfg, self.files.node_dir, self.env),
                          log_dir=self.files.log_dir, memcg_parent=self.memcg_parent, cgroup_dir=self.files.cgroup_dir)
         outcome: watch.Outcome | None = None
         try:
             with gen:
-                if cfg.parallel.world_size > 1 and self.peers.is_leader and self.scheduler_cmd:
-                    gen.start_scheduler(self.scheduler_cmd, self.files.scheduler_env(self.env, cfg, port=port,
-                                                                                     generation=n))
-                for rank in ranks:
-                    env = self.files.rank_env(self.env, cfg, rank=rank, port=port, generation=n, sock=gen.sock_path)
-                    gen.start_rank(rank, [*self.worker_cmd, "--config", str(self.files.resolved_config)], env)
+                gen.launch(self.files, self.env, worker_cmd=self.worker_cmd, port=port, ranks=ranks,
+                           scheduler_cmd=self.scheduler_cmd if self.peers.is_leader else None)
                 self.state.processes = [w.record() for w in gen.workers]
                 ledger.set_status("running")
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
@@ -184,6 +186,8 @@ class Supervisor:
                     w.on_control(request, now)
             if (elsewhere := self.peers.hear(n, now)) is not None:
                 return elsewhere
+            if self.peers.cut_off(now) and not self.stop_reason:
+                self.stop_reason, self.stop_code = "etcd unreachable past run.coordinator_timeout_s", ExitCode.TEMP_FAIL
             if self.stop_reason:
                 w.request_stop(self.stop_reason, now, force=self.signals > 1)
             for e in ended:

@@ -137,6 +137,12 @@ class Released:
 
 
 @dataclasses.dataclass(frozen=True)
+class Regroup:
+    step: int | None              # multi-node: a lost machine is back; the ranks save on SIGTERM and the
+    nodes: tuple[int, ...] = ()   # next generation takes these nodes back
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerFailed:
     code: int                     # an exit code restarting cannot help (usage, data, config)
     rank: int
@@ -148,7 +154,7 @@ class Failed:
     incident: Incident            # crash, hang, out of memory, or a numerical incident
 
 
-Outcome = Finished | Stopped | Released | WorkerFailed | Failed
+Outcome = Finished | Stopped | Released | Regroup | WorkerFailed | Failed
 
 
 def teardown_grace_s(outcome: Outcome, kill_grace_s: float, failed_grace_s: float = 2.0) -> float:

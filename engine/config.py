@@ -19,6 +19,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from engine import elastic
+
 
 class ConfigError(ValueError):
     """A config that cannot run (exit 78); the message is one line naming the key and what is allowed."""
@@ -423,12 +425,27 @@ class Config:
         return dataclasses.asdict(self)
 
 
+def _check_elastic(cfg: Config) -> None:
+    """A run allowed to go on with fewer machines must keep its global batch on each machine count."""
+    p, t, r = cfg.parallel, cfg.train, cfg.run
+    count = elastic.unshapeable(nodes=r.nodes, min_nodes=r.quorum, ranks_per_node=p.world_size // r.nodes,
+                                model_parallel=p.tp * p.pp, global_batch=t.global_batch, micro_batch=t.micro_batch)
+    if count is not None:
+        ranks = count * (p.world_size // r.nodes)
+        _fail(f"run.min_nodes = {r.quorum} lets the run go on with {count} of run.nodes = {r.nodes} machines "
+              f"({ranks} ranks), which cannot keep train.global_batch = {t.global_batch}: on every machine count "
+              f"from run.min_nodes up, the ranks must divide by tp x pp = {p.tp * p.pp} and the data-parallel "
+              "size must divide the global batch (raise run.min_nodes or choose a global batch that does)")
+
+
 def _check_cross_section(cfg: Config) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if t.recompute_num_layers > m.num_layers:
         _fail(f"train.recompute_num_layers = {t.recompute_num_layers} exceeds model.num_layers = {m.num_layers}")
     if p.world_size % cfg.run.nodes:
         _fail(f"parallel.dp x tp x pp = {p.world_size} ranks do not divide over run.nodes = {cfg.run.nodes}")
+    if cfg.run.quorum < cfg.run.nodes:
+        _check_elastic(cfg)
     if cfg.run.nodes > 1 and cfg.run.master_port == 0:
         _fail("run.master_port = 0 picks a port on one machine only; with run.nodes > 1 set a fixed port")
     if cfg.data.seq_len > m.max_seq_len:

@@ -15,7 +15,7 @@ which it resumes. Faults on cue, in chosen generations:
 
 It honours the recovery directive (skip ranges move its sample ranges; lr
 overrides set the reported lr multiplier) and reads nothing from the config
-file the daemon hands it (`--config`) but prints its [train] and [optim]
+file the daemon hands it (`--config`) but prints its [train], [optim] and [parallel]
 keys, so tests can see the config each generation was started with.
 """
 import argparse
@@ -68,7 +68,7 @@ def main() -> int:
     if a.config:
         with open(a.config, "rb") as f:
             cfg = tomllib.load(f)
-        keys = [f"{s}.{k}={json.dumps(v)}" for s in ("train", "optim") for k, v in sorted(cfg[s].items())]
+        keys = [f"{s}.{k}={json.dumps(v)}" for s in ("train", "optim", "parallel") for k, v in sorted(cfg[s].items())]
         print(f"config {a.config}: {' '.join(keys)}", flush=True)
     recovery = None
     if os.environ.get(ENV_RECOVERY) and os.path.exists(os.environ[ENV_RECOVERY]):

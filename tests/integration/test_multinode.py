@@ -135,3 +135,84 @@ def test_an_unreachable_coordinator_at_the_start_is_exit_75_in_one_line(tmp_path
     code, events, err = _finish(_node(0, tmp_path / "run", "etcd://127.0.0.1:1"), 60)
     assert code == 75 and "etcd unreachable" in _named(events, "daemon_exit")[0]["detail"]
     assert "Traceback" not in err
+
+
+def _three(i, run, etcd_url, *overrides, fake=()):
+    return _node(i, run, etcd_url, "run.nodes=3", "parallel.dp=3", "train.global_batch=12", *overrides, fake=fake)
+
+
+def _configs(log: Path) -> list[str]:
+    """The config each generation of a fake rank was started with, as it printed it."""
+    return [line for line in log.read_text().splitlines() if line.startswith("config ")] if log.exists() else []
+
+
+def _wait(ready, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def test_a_node_lost_past_the_rejoin_timeout_shrinks_the_run_and_is_taken_back_when_it_returns(tmp_path, etcd):
+    run, fake = tmp_path / "run", ["--steps", "150", "--interval", "5", "--step-s", "0.05"]
+    elastic = ["run.min_nodes=2", "run.node_rejoin_timeout_s=2"]
+    procs = [_three(i, run, etcd.url, *elastic, fake=fake) for i in (0, 1, 2)]
+    logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1, 2)]
+    try:
+        _wait(lambda: logs[2].exists() and logs[2].read_text().count('"kind": "step"') >= 10, 30, "steps on node 2")
+        procs[2].send_signal(signal.SIGKILL)          # node 2's daemon is gone; its rank ends by itself
+        procs[2].wait()
+        _wait(lambda: len(_configs(logs[1])) >= 2, 40, "a generation without node 2")
+        time.sleep(1.0)
+        procs[2] = _three(2, run, etcd.url, *elastic, fake=fake)        # back: taken in at the next generation
+        results = [_finish(p, 120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r[0] for r in results] == [0, 0, 0], [r[2][-1500:] for r in results]
+    ev0 = results[0][1]
+    assert [e["kind"] for e in _named(ev0, "incident")][:1] == ["node_lost"]
+    shrunk = _named(ev0, "nodes_shrunk")
+    assert len(shrunk) == 1 and shrunk[0]["members"] == [0, 1] and shrunk[0]["lost"] == [2]
+    # the same global batch of 12 on two ranks: micro-batch 4 does not divide it over 2, so 3 x 2
+    assert (shrunk[0]["dp"], shrunk[0]["micro_batch"], shrunk[0]["grad_accum_steps"]) == (2, 3, 2)
+    assert _named(ev0, "nodes_rejoined")
+    configs = _configs(logs[1])
+    assert "parallel.dp=3" in configs[0] and "train.grad_accum_steps=1" in configs[0]
+    assert "parallel.dp=2" in configs[1] and "train.grad_accum_steps=2" in configs[1] and "train.micro_batch=3" in configs[1]
+    assert "parallel.dp=3" in configs[-1] and "train.micro_batch=4" in configs[-1]
+    starts = {i: [e["generation"] for e in _named(results[i][1], "generation_start")] for i in (0, 1, 2)}
+    assert starts[0] == starts[1] and starts[2] == starts[0][-len(starts[2]):], starts
+    assert [e["ranks"] for e in _named(ev0, "generation_start")][-1] == [0]
+    assert _named(results[2][1], "generation_start")[-1]["ranks"] == [2]
+    for _, events, _ in results:
+        assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_fewer_nodes_than_min_nodes_after_the_rejoin_timeout_is_exit_75_in_one_line(tmp_path, etcd):
+    code, events, err = _finish(_node(0, tmp_path / "run", etcd.url, "run.node_rejoin_timeout_s=1",
+                                      fake=["--steps", "10"]), 60)
+    assert code == 75, err[-2000:]
+    exit_event = _named(events, "daemon_exit")[0]
+    assert exit_event["reason"] == "nodes" and "fewer than run.min_nodes = 2" in exit_event["detail"]
+    assert "Traceback" not in err
+
+
+def test_etcd_gone_past_the_coordinator_timeout_checkpoints_and_stops_every_node_with_exit_75(tmp_path, etcd):
+    run = tmp_path / "run"
+    procs = [_node(i, run, etcd.url, "run.coordinator_timeout_s=3", fake=["--steps", "100000", "--interval", "50",
+                                                                           "--step-s", "0.05"]) for i in (0, 1)]
+    log = run / "logs" / "node-1" / "rank-1.log"
+    try:
+        _wait(lambda: log.exists() and log.read_text().count('"kind": "step"') >= 10, 30, "steps on node 1")
+        etcd.pause()
+        results = [_finish(p, 60) for p in procs]
+    finally:
+        etcd.resume()
+    assert [r[0] for r in results] == [75, 75], [r[2][-1500:] for r in results]
+    for _, events, _ in results:
+        final = _named(events, "daemon_exit")[0]
+        assert final["reason"] == "stopped" and "coordinator_timeout_s" in final["detail"]
+    committed = [e["step"] for e in _named(results[0][1], "checkpoint_committed")]
+    assert committed and committed[-1] % 50 != 0          # the stop's own checkpoint, not an interval's

@@ -173,3 +173,24 @@ def test_every_field_is_documented_where_declared():
         for field in dataclasses.fields(section.default):
             line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
             assert "#" in line, f"{section.name}.{field.name} is undocumented"
+
+
+def test_an_elastic_shape_keeps_the_global_batch_growing_accumulation_and_shrinking_the_micro_batch_if_needed():
+    from engine.elastic import shape_on
+
+    assert shape_on(3, ranks_per_node=1, model_parallel=1, global_batch=12, micro_batch=4).grad_accum_steps == 1
+    two = shape_on(2, ranks_per_node=1, model_parallel=1, global_batch=12, micro_batch=4)
+    assert (two.dp, two.micro_batch, two.grad_accum_steps) == (2, 3, 2)
+    four = shape_on(2, ranks_per_node=8, model_parallel=4, global_batch=64, micro_batch=2)   # tp x pp in a node
+    assert (four.dp, four.micro_batch, four.grad_accum_steps) == (4, 2, 8)
+    assert shape_on(1, ranks_per_node=2, model_parallel=4, global_batch=8, micro_batch=1) is None   # half a replica
+    assert shape_on(2, ranks_per_node=1, model_parallel=1, global_batch=9, micro_batch=3) is None
+
+
+def test_min_nodes_below_nodes_is_refused_up_front_when_a_smaller_cluster_cannot_keep_the_global_batch():
+    multi = ["run.nodes=3", 'run.coordinator="etcd://h:2379"', "run.master_port=29500", "parallel.dp=3"]
+    assert load_config(None, [*multi, "train.global_batch=12", "train.micro_batch=4", "run.min_nodes=2"]).run.quorum == 2
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [*multi, "train.global_batch=9", "train.micro_batch=3", "run.min_nodes=2"])
+    assert "run.min_nodes = 2" in str(e.value) and "2 of run.nodes = 3" in str(e.value)
+    load_config(None, [*multi, "train.global_batch=9", "train.micro_batch=3"])     # no shrinking: no constraint
