@@ -268,15 +268,28 @@ class NoDaemonError(RuntimeError):
 
 
 def _control_dir(run: str, *, queue: bool = False):
+    """The run's control directory; on a multi-node run, that of the node whose daemon runs on this
+    machine (its lock held here), else node 0's: a request on any node acts on all."""
     from daemon.lock import holder
+    from daemon.status_cli import node_dirs
 
-    control_dir = resolve_run_dir(run) / "control"
+    run_dir = resolve_run_dir(run)
+    nodes = node_dirs(run_dir)
+    here = [d for d in nodes if holder(d) is not None and _local_pid(holder(d))]
+    control_dir = (here or nodes or [run_dir])[0] / "control"
     if not control_dir.is_dir():
         raise RunNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
     if not queue and holder(control_dir.parent) is None:
         raise NoDaemonError(f"no daemon is running for {control_dir.parent} (its daemon.lock is not held), so nothing "
                             "would act on the request now; start the daemon, or pass --queue to leave it for the next one")
     return control_dir
+
+
+def _local_pid(pid: str | None) -> bool:
+    """A lock's holder is a process of this machine (a shared run directory's lock may be another's)."""
+    import os
+
+    return pid is not None and pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
 
 def _cmd_control(args: argparse.Namespace) -> int:

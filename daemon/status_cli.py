@@ -61,10 +61,58 @@ def _in_force(state: RunState) -> dict[str, Any] | None:
     return out
 
 
+def node_dirs(run_dir: Path) -> list[Path]:
+    """A multi-node run's per-node directories (state, lock, control), node 0 first; [] on one machine."""
+    nodes = run_dir / "nodes"
+    if not nodes.is_dir() or (run_dir / "state.json").exists():
+        return []
+    found = [p for p in nodes.glob("node-*") if p.name[5:].isdigit() and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
 def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
+    """The run as its state says; for a multi-node run, node 0's view (it decides) and every node's."""
+    dirs = node_dirs(run_dir)
+    if not dirs:
+        return _summary(run_dir, run_dir, now)
+    live = _live_nodes(run_dir)
+    out = _summary(dirs[0], run_dir, now, alive=None if live is None else 0 in live)
+    out["nodes"] = []
+    for d in dirs:
+        n, st = int(d.name[5:]), RunState.load(d)
+        daemon = None if live is None else live.get(n)
+        out["nodes"].append({"node": n, "status": st.status, "generation": st.generation,
+                             "step": (st.last_progress or {}).get("step"),
+                             "daemon": daemon, "lease": None if live is None else daemon is not None})
+    out["coordinator"] = "unreachable" if live is None else "ok"
+    return out
+
+
+def _live_nodes(run_dir: Path) -> dict[int, str] | None:
+    """node → "host pid N" of every node whose daemon holds its etcd lease (from the run's resolved
+    config: its coordinator and key prefix); None when that cannot be read or etcd does not answer."""
+    from daemon.etcd import Etcd, EtcdError
+    from engine.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(run_dir / "config.resolved.toml", [])
+        kvs, _ = Etcd.from_url(cfg.run.coordinator, timeout_s=1.0).get_prefix(cfg.run.key_prefix + "nodes/")
+    except (ConfigError, EtcdError, OSError, ValueError):
+        return None
+    out = {}
+    for kv in kvs:
+        try:
+            v = json.loads(kv.value)
+            out[int(v["node"])] = f"{v.get('host', '?')} pid {v.get('pid', '?')}"
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bool | None = None) -> dict[str, Any]:
     now = time.time() if now is None else now
-    state = RunState.load(run_dir)
-    alive = _daemon_alive(state)
+    state = RunState.load(state_dir)
+    alive = _daemon_alive(state) if alive is None else alive
     status = state.status if alive or state.status not in ("running", "restarting", "paused", "pausing") else \
         f"{state.status} (daemon not running)"
     p = state.last_progress or {}
@@ -137,6 +185,12 @@ def render(s: dict[str, Any]) -> str:
     if s["unsupervised_pids"]:
         rows.append(("WARNING", f"the daemon is not running but processes of this run are: pids "
                                 f"{', '.join(map(str, s['unsupervised_pids']))} (start the daemon: it reaps them)"))
+    for n in s.get("nodes") or []:
+        lease = {None: "", True: f", daemon {n['daemon']}", False: ", daemon LOST (no etcd lease)"}[n["lease"]]
+        rows.append((f"node {n['node']}", f"{n['status']}, generation {n['generation']}, step "
+                                          f"{'-' if n['step'] is None else n['step']}{lease}"))
+    if s.get("coordinator") == "unreachable":
+        rows.append(("coordinator", "etcd unreachable (node liveness unknown)"))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 

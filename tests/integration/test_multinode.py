@@ -83,7 +83,7 @@ def test_a_loss_spike_is_decided_once_by_node_0_and_applied_identically_by_node_
     assert len(_named(ev0, "rollback")) == 1 and not _named(ev1, "rollback")    # node 0 moves the files, once
 
 
-def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd):
+def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd, cli):
     run = tmp_path / "run"
     procs = [_node(i, run, etcd.url, fake=["--steps", "100000", "--interval", "5"]) for i in (0, 1)]
     deadline = time.monotonic() + 30
@@ -91,9 +91,19 @@ def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd):
     while not (control.is_dir() and (run / "logs" / "node-1" / "rank-1.log").exists()) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(1.0)
+    # `status` of a multi-node run: node 0's view, and every node with its etcd lease
+    shown = subprocess.run([*cli, "status", str(run), "--json"], capture_output=True, text=True, timeout=30)
+    status = json.loads(shown.stdout)
+    assert status["status"] == "running" and status["coordinator"] == "ok", shown.stdout
+    assert [(n["node"], n["lease"]) for n in status["nodes"]] == [(0, True), (1, True)]
+    table = subprocess.run([*cli, "status", str(run)], capture_output=True, text=True, timeout=30).stdout
+    assert "node 1" in table and "running, generation 1" in table
     (control / "stop").write_text(json.dumps({"reason": "maintenance"}))
     (code0, ev0, err0), (code1, ev1, err1) = [_finish(p, 60) for p in procs]
     assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    # with no daemon left, the CLI leaves a request (--queue) for node 0's next daemon
+    queued = subprocess.run([*cli, "pause", str(run), "--queue"], capture_output=True, text=True, timeout=30)
+    assert queued.returncode == 0 and list((run / "nodes" / "node-0" / "control").glob("*pause*")), queued.stderr
     assert _named(ev0, "daemon_exit")[0]["reason"] == _named(ev1, "daemon_exit")[0]["reason"] == "stopped"
     assert [e["args"] for e in _named(ev0, "command_sent") if e["name"] == "stop"]           # node 0 wrote it
     assert not _named(ev1, "command_sent")                                                   # node 1 never does
