@@ -418,7 +418,7 @@ def _cmd_inject(args: argparse.Namespace) -> int:
         raise ConfigError(f"inject: {e}") from None
     body = {**request.to_dict(), **({"reason": args.reason} if args.reason else {})}
     control_dir = _control_dir(args.run, queue=True)
-    resolved = control_dir.parent / "config.resolved.toml"          # what the running daemon runs with
+    resolved = resolve_run_dir(args.run) / "config.resolved.toml"    # what the running daemon runs with
     if resolved.exists() and not load_config(resolved).health.allow_fault_injection:
         raise ConfigError(f"fault drills are off for this run ({resolved}): set health.allow_fault_injection = "
                           "true and restart the daemon")
