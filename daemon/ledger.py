@@ -39,6 +39,7 @@ class Ledger:
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
         self.unsaved_since: float | None = None   # state.json could not be written since then
+        self.generation_opened: float | None = None   # the current generation opened, until its first step
         self._retried_at = 0.0
 
     def _load(self) -> RunState:
@@ -78,6 +79,7 @@ class Ledger:
 
     def next_generation(self) -> int:
         self.state.generation = self.log.generation = self.state.generation + 1
+        self.generation_opened = time.monotonic()
         self.metrics.update(generation=self.state.generation)
         return self.state.generation
 
@@ -174,6 +176,9 @@ class Ledger:
         mean of the last STEP_TIMES_KEPT step times (never a compiling first step) makes status's ETA."""
         if not compiled:
             self.step_times.append(ev.step_s)
+        elif self.generation_opened is not None:      # training again: recovery's last leg, timed
+            self.emit("first_step", step=ev.step, since_open_s=round(time.monotonic() - self.generation_opened, 2))
+            self.generation_opened = None
         # re-inserted (a replayed step moves to the end), so the first key is always the oldest seen
         self.sample_ranges.pop(ev.step, None)
         self.sample_ranges[ev.step] = (ev.sample_start, ev.sample_end)

@@ -188,6 +188,8 @@ def test_a_node_lost_past_the_rejoin_timeout_shrinks_the_run_and_is_taken_back_w
     # the same global batch of 12 on two ranks: micro-batch 4 does not divide it over 2, so 3 x 2
     assert (shrunk[0]["dp"], shrunk[0]["micro_batch"], shrunk[0]["grad_accum_steps"]) == (2, 3, 2)
     assert _named(ev0, "nodes_rejoined")
+    # every generation says when it trained again, timed from its opening
+    assert {e["generation"] for e in _named(ev0, "first_step")} == {e["generation"] for e in _named(ev0, "generation_start")}
     configs = _configs(logs[1])
     assert "parallel.dp=3" in configs[0] and "train.grad_accum_steps=1" in configs[0]
     assert "parallel.dp=2" in configs[1] and "train.grad_accum_steps=2" in configs[1] and "train.micro_batch=3" in configs[1]
