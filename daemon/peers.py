@@ -82,7 +82,7 @@ class Alone:
     def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
         ledger.command_sent(name, args, append)
 
-    def conclude(self, number: int, outcome: watch.Outcome) -> watch.Outcome:
+    def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
         return outcome
 
     def unfinished(self, ledger: Ledger) -> Incident | None:
@@ -360,12 +360,26 @@ class Nodes:
         elif name == "stop" and self.forward(Request("stop", {"reason": f"node {self.coord.node} stopping"}, "signal")):
             ledger.emit("stop_forwarded", node=self.coord.node, detail="asked node 0 to stop the run")
 
-    def conclude(self, number: int, outcome: watch.Outcome) -> watch.Outcome:
-        """Says why the generation ended here; the cause every node goes by (the first one said)."""
+    def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
+        """Says why the generation ended here; the cause every node goes by (the first one said).
+        Ranks that stopped with no stop asked for here (`requested`) ended for a reason elsewhere:
+        a stop node 0 asked for, or a node whose daemon died (its ranks, told by their parent-death
+        signal, saved and stopped every rank): that cause is awaited, not declared."""
+        if isinstance(outcome, watch.Stopped) and not requested:
+            outcome = self._unasked_stop(number)
         try:
             return _outcome(self.coord.end_generation(number, _cause(outcome)))
         except EtcdError:
             return outcome
+
+    def _unasked_stop(self, number: int) -> watch.Outcome:
+        deadline = self.clock() + self.coord.ttl_s + 2.0
+        while self.clock() < deadline:
+            if (elsewhere := self.hear(number, self.clock())) is not None and not isinstance(elsewhere, watch.Regroup):
+                return elsewhere
+            time.sleep(POLL_S)
+        return watch.Failed(Incident(kind=Kind.CRASH, first_step=0, last_step=0, detail=(
+            "the ranks saved and stopped with no stop asked for (a SIGTERM from outside the daemon?)")))
 
     def unfinished(self, ledger: Ledger) -> Incident | None:
         """At the start: the generation this node was in when its daemon died may still run elsewhere

@@ -164,7 +164,8 @@ class Supervisor:
                             config_changes=self.state.config_changes or None)
                 w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(),
                                 log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
-                outcome = self.peers.conclude(n, self._watch(gen, w, n))
+                outcome = self._watch(gen, w, n)
+                outcome = self.peers.conclude(n, outcome, requested=w.stop_sent_at is not None or bool(self.stop_reason))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s)
         finally:
             self.state.processes = []

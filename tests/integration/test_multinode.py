@@ -228,3 +228,25 @@ def test_etcd_gone_past_the_coordinator_timeout_checkpoints_and_stops_every_node
         assert final["reason"] == "stopped" and "coordinator_timeout_s" in final["detail"]
     committed = [e["step"] for e in _named(results[0][1], "checkpoint_committed")]
     assert committed and committed[-1] % 50 != 0          # the stop's own checkpoint, not an interval's
+
+
+def test_ranks_stopped_by_a_sigterm_from_outside_do_not_stop_the_run(tmp_path, etcd):
+    # what a dead node's ranks do to the others on a real cluster (their parent-death SIGTERM saves and
+    # stops every rank): no node asked for a stop, so it is a fault to recover from, not the run's end
+    run = tmp_path / "run"
+    procs = [_node(i, run, etcd.url, fake=["--steps", "60", "--interval", "5", "--step-s", "0.05"]) for i in (0, 1)]
+    logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1)]
+    try:
+        _wait(lambda: all(l.exists() and l.read_text().count('"kind": "step"') >= 10 for l in logs), 30, "steps")
+        for log in logs:            # every rank, as the collective stop of a real cluster would
+            os.kill(int(next(l for l in log.read_text().splitlines() if l.startswith("fake worker")).split()[-1]),
+                    signal.SIGTERM)
+        results = [_finish(p, 90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
+    for _, events, _ in results:
+        assert [e["kind"] for e in _named(events, "incident")] == ["crash"]
+        assert _named(events, "daemon_exit")[0]["reason"] == "finished"
