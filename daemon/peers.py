@@ -421,7 +421,7 @@ class Nodes:
             self.coord.forget_before(number)
             return decision
         published = self._wait_for(lambda: self.coord.decision(number), ledger, stopping, "waiting_for_decision",
-                                   lambda: {"generation": number})
+                                   lambda: {"generation": number}, need_leader=True)
         if published is None:
             return None
         return recovery.apply_published(published, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)

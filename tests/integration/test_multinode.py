@@ -250,3 +250,23 @@ def test_ranks_stopped_by_a_sigterm_from_outside_do_not_stop_the_run(tmp_path, e
     for _, events, _ in results:
         assert [e["kind"] for e in _named(events, "incident")] == ["crash"]
         assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_node_0_gone_past_the_rejoin_timeout_ends_the_others_with_exit_75(tmp_path, etcd):
+    run, fake = tmp_path / "run", ["--steps", "100000", "--interval", "5", "--step-s", "0.05"]
+    node0 = _node(0, run, etcd.url, "run.node_rejoin_timeout_s=3", fake=fake)
+    node1 = _node(1, run, etcd.url, "run.node_rejoin_timeout_s=3", fake=fake)
+    log = run / "logs" / "node-1" / "rank-1.log"
+    try:
+        _wait(lambda: log.exists() and log.read_text().count('"kind": "step"') >= 10, 30, "steps on node 1")
+        node0.send_signal(signal.SIGKILL)
+        node0.wait()
+        code, events, err = _finish(node1, 60)
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+    assert code == 75, err[-2000:]
+    assert _named(events, "waiting_for_decision")         # node 0 decides: node 1 waited for it, then gave up
+    final = _named(events, "daemon_exit")[0]
+    assert final["reason"] == "nodes" and "node 0's daemon has been gone" in final["detail"]
