@@ -18,8 +18,10 @@ $(VENV)/.installed: pyproject.toml
 demo: $(VENV)/.installed
 	$(BIN)/llm-pretrain run $(ARGS)
 
+# every test once: the fast tiers where MindSpore cannot be imported (they must never need it), then e2e
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest
+	PYTHONPATH="$(CURDIR)/tests/without_mindspore" $(BIN)/python -m pytest tests/unit tests/integration
+	$(BIN)/python -m pytest tests/e2e
 
 # the fast tier by path, so tests/e2e is not even collected: it runs where MindSpore cannot be imported
 test-fast: $(VENV)/.installed

@@ -1,5 +1,5 @@
 """On PYTHONPATH, makes `import mindspore` fail, as on a machine without it: the fast tier
-(`make test-fast`) must pass so (.ci/run checks it)."""
+(`make test-fast`) must pass so (`make test` runs it so)."""
 import sys
 
 
