@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from daemon import control, memcg, peers, recovery, watch
+from daemon.nodes import Nodes
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, kill_orphans, socket_path
 from daemon.health import HealthMonitor
@@ -47,7 +48,7 @@ class Supervisor:
         self.memcg_parent: tuple[int, Path] | None = None
         self.ledger: Ledger | None = None       # made once the lock is held: it writes into the run
         self.backoff = recovery.Backoff(cfg.health)
-        self.peers = peers.Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
+        self.peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
 
     @property
     def state(self):
