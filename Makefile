@@ -25,7 +25,7 @@ test: $(VENV)/.installed
 
 # the fast tier by path, so tests/e2e is not even collected: it runs where MindSpore cannot be imported
 test-fast: $(VENV)/.installed
-	$(BIN)/python -m pytest tests/unit tests/integration
+	PYTHONPATH="$(CURDIR)/tests/without_mindspore" $(BIN)/python -m pytest tests/unit tests/integration
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/engine_throughput.py

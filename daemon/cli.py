@@ -154,6 +154,7 @@ def _add_tools(sub) -> None:
     prep.add_argument("--block-bytes", type=int, default=1 << 20, metavar="N",
                       help="bytes per CRC32C-checked block (a multiple of 4096; default 1 MiB)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
+    _add_log_format(prep, "console: the default when stderr is a terminal (a progress bar, then lines)")
 
     export = sub.add_parser("export", help="write a checkpoint as Hugging Face LLaMA or mindformers weights")
     export.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -453,7 +454,7 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
     prepare(args.inputs, args.output, tokenizer=args.tokenizer, eos_token=args.eos_token, workers=args.workers,
             text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite,
-            block_bytes=args.block_bytes)
+            block_bytes=args.block_bytes, human={"json": False, "console": True}.get(args.log_format))
     return ExitCode.OK
 
 

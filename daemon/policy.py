@@ -1,6 +1,6 @@
 """The recovery policy: a pure function from (incident, run history, config) to an action.
 
-DESIGN.md's ladder:
+The recovery ladder:
 - crash, hang, a straggler set to act on: restart from the latest committed checkpoint; after
   `max_restarts_without_progress` restarts without a new checkpoint, give up (exit 3);
 - loss spike or collapse (and grad-norm spike when set to act), non-finite in fp32/bf16: roll back to the

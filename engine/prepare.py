@@ -134,13 +134,16 @@ def _tokenize_file(job: tuple[str, str]) -> tuple[str, list[np.ndarray], dict[st
 
 
 class Progress:
-    """A one-line bar on a terminal; a JSON line every `interval_s` otherwise (logs, journald)."""
+    """A one-line bar and lines for people on a terminal; a JSON line every `interval_s` otherwise
+    (logs, journald). `human` forces either (`--log-format`); None: by the stream."""
 
-    def __init__(self, total_files: int, stream: TextIO = sys.stderr, interval_s: float = 5.0):
+    def __init__(self, total_files: int, stream: TextIO = sys.stderr, interval_s: float = 5.0,
+                 human: bool | None = None):
         self.total, self.stream, self.interval_s = total_files, stream, interval_s
-        self.tty = stream.isatty()
+        self.tty = stream.isatty() if human is None else human
         self.started = self.last = time.monotonic()
         self.files = self.tokens = self.bytes = 0
+        self.bar = False                      # a bar is drawn on the current terminal line
 
     def update(self, tokens: int, size_bytes: int) -> None:
         self.files += 1
@@ -154,7 +157,7 @@ class Progress:
             self.stream.write(f"\rprepare-data [{'#' * done}{'.' * (width - done)}] {self.files}/{self.total} "
                               f"files, {self.tokens:,} tokens, {rate:.1f} MB/s")
             self.stream.flush()
-            self.last = now
+            self.last, self.bar = now, True
         elif not self.tty and now - self.last >= self.interval_s:
             self.emit("prepare_progress")
             self.last = now
@@ -162,17 +165,26 @@ class Progress:
     def emit(self, event: str, **extra: Any) -> None:
         record = {"event": event, "files_done": self.files, "files": self.total, "tokens": self.tokens,
                   "elapsed_s": round(time.monotonic() - self.started, 3), **extra}
-        self.stream.write(json.dumps(record) + "\n")
+        if self.tty:
+            if self.bar:                      # the bar's line ends first
+                self.stream.write("\n")
+                self.bar = False
+            fields = "  ".join(f"{k}={v:,}" if isinstance(v, int) else f"{k}={v}" for k, v in record.items()
+                               if k not in ("event", "files_done"))
+            self.stream.write(f"{event.replace('_', ' ')}  {fields}\n")
+        else:
+            self.stream.write(json.dumps(record) + "\n")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.tty:
+        if self.tty and self.bar:
             self.stream.write("\n")
+            self.bar = False
 
 
 def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte", eos_token: str | None = None,
             workers: int = 0, text_field: str = "text", shard_tokens: int = 1 << 27, overwrite: bool = False,
-            block_bytes: int = DEFAULT_BLOCK_BYTES, log: TextIO = sys.stderr) -> dict[str, Any]:
+            block_bytes: int = DEFAULT_BLOCK_BYTES, log: TextIO = sys.stderr, human: bool | None = None) -> dict[str, Any]:
     """Prepares a corpus; returns its manifest. Raises DataError on bad input, leaving nothing behind."""
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens = {shard_tokens} must be >= 1")
@@ -182,7 +194,7 @@ def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte
     writer = CorpusWriter(output, tokenizer=tok.describe(), shard_tokens=shard_tokens, overwrite=overwrite,
                           block_bytes=block_bytes)
     workers = workers or min(len(files), os.cpu_count() or 1)
-    progress = Progress(len(files), log)
+    progress = Progress(len(files), log, human=human)
     replaced: dict[str, int] = {}
     bad_lines: dict[str, int] = {}
     jobs = [(str(f), text_field) for f in files]
@@ -197,15 +209,14 @@ def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte
                     replaced[path] = stats["replaced"]
                 if stats["bad_lines"]:
                     bad_lines[path] = stats["bad_lines"]
-                    log.write(json.dumps({"event": "prepare_warning", "file": path,
-                                          "warning": f"{stats['bad_lines']} lines are not JSON objects with a "
-                                                     f"string field {text_field!r} (first: line "
-                                                     f"{stats['first_bad_line']}); skipped"}) + "\n")
+                    progress.emit("prepare_warning", file=path,
+                                  warning=f"{stats['bad_lines']} lines are not JSON objects with a string field "
+                                          f"{text_field!r} (first: line {stats['first_bad_line']}); skipped")
                 progress.update(sum(d.size for d in docs), stats["bytes"])
         progress.close()
         for path, count in replaced.items():
-            log.write(json.dumps({"event": "prepare_warning", "file": path,
-                                  "warning": f"{count} invalid UTF-8 byte sequences replaced with U+FFFD"}) + "\n")
+            progress.emit("prepare_warning", file=path,
+                          warning=f"{count} invalid UTF-8 byte sequences replaced with U+FFFD")
         inputs_summary = {"specs": list(inputs), "files": len(files),
                           "replaced_characters": sum(replaced.values()), "skipped_lines": sum(bad_lines.values())}
         out = writer.commit(inputs_summary)

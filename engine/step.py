@@ -6,7 +6,7 @@ accumulation buffers. With one micro-batch per step the whole step is one
 forward/backward that adds into fp32 buffers (one graph, reused k times, so
 compile time does not grow with k) and one compiled update finishes the step.
 
-Invariants (DESIGN.md, Numerics):
+Invariants (README, Numerics):
 - non-finite gradients are never applied, in any precision: the step is
   skipped, reported, and parameters and optimizer state stay bit-identical;
 - under data parallel, gradients are all-reduced once per optimizer step, and

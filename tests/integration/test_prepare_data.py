@@ -106,3 +106,16 @@ def test_stdlib_corpus_is_this_pythons_standard_library(cli, quiet_env, tmp_path
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((tmp_path / "std" / "manifest.json").read_text())
     assert manifest["inputs"]["files"] > 300 and manifest["tokens"] > 1_000_000
+
+
+def test_people_get_a_bar_and_lines_json_stays_for_machines(cli, quiet_env, inputs, tmp_path):
+    args = ["--input", str(inputs / "docs"), "--input", str(inputs / "*.jsonl")]
+    human = _run(cli, quiet_env, *args, "--output", str(tmp_path / "one"), "--log-format", "console")
+    assert human.returncode == 0, human.stderr
+    lines = human.stderr.splitlines()
+    assert not [l for l in lines if l.startswith("{")], lines            # no JSON for people
+    assert "prepare-data [" in human.stderr and "files" in human.stderr   # the bar
+    assert any(l.startswith("prepare warning  ") and "records.jsonl" in l for l in lines)
+    assert lines[-1].startswith("prepare done  ") and "documents=" in lines[-1]
+    machine = _run(cli, quiet_env, *args, "--output", str(tmp_path / "two"), "--log-format", "json")
+    assert json.loads(machine.stderr.strip().splitlines()[-1])["event"] == "prepare_done"

@@ -84,6 +84,10 @@ def test_the_units_encode_the_exit_code_contract_and_the_operating_model(install
                                                                                      "on-failure")
         assert keys["ExecStart"].startswith(f"{VENV}/bin/llm-pretrain run --config ")
         assert keys["User"] == "llm-pretrain" and keys["ProtectSystem"] == "strict"
+        # a failure that repeats is not restarted forever; SIGHUP reopens the log; the journal names the run
+        assert (keys["StartLimitIntervalSec"], keys["StartLimitBurst"]) == ("600", "5")
+        assert keys["ExecReload"] == "/bin/kill -HUP $MAINPID"
+        assert keys["SyslogIdentifier"] == ("llm-pretrain" if unit == "llm-pretrain.service" else "llm-pretrain-%i")
     assert f"--config {Path(VENV).parent}/{installed.name}.toml" in (installed / "units" / "llm-pretrain.service").read_text()
     assert not (installed / "etc" / "ascend.env").exists()                    # a cpu config: no Ascend toolkit
     assert (installed / "tmpfiles" / "llm-pretrain.conf").exists()

@@ -61,3 +61,24 @@ def test_train_s_own_events_read_as_progress_phases_checkpoints_and_its_end():
     assert "checkpoint step 10 committed in 1.5 s" in lines[3]
     assert lines[4].endswith("stopped at step 10")
     assert not any(line.lstrip().startswith("{") for line in lines)
+
+
+def test_json_is_kept_on_a_terminal_when_asked_and_people_get_lines_by_default(monkeypatch):
+    import argparse
+    import os
+    import pty
+    import sys
+
+    from daemon import cli
+
+    leader, follower = pty.openpty()
+    try:
+        with os.fdopen(follower, "w", closefd=False) as tty:
+            monkeypatch.setattr(sys, "stdout", tty)
+            assert tty.isatty()
+            assert cli._console(argparse.Namespace(log_format="json"), default=True) is None
+            assert cli._console(argparse.Namespace(log_format="auto"), default=True) is not None
+            assert cli._console(argparse.Namespace(log_format="auto"), default=False) is None
+    finally:
+        os.close(leader)
+        os.close(follower)

@@ -1,4 +1,4 @@
-"""DESIGN.md's import rules, checked on the source: imports flow one way."""
+"""The design's import rules, checked on the source: imports flow one way."""
 import ast
 from pathlib import Path
 

@@ -51,3 +51,39 @@ def test_a_dead_daemon_with_live_processes_of_its_run_is_a_warning(tmp_path):
     assert f"WARNING          the daemon is not running but processes of this run are: pids {os.getpid()}" in render(s)
     _state(tmp_path, processes=[me])                   # a live daemon: its own ranks, no warning
     assert summary(tmp_path, now=4601.0)["unsupervised_pids"] == []
+
+
+def test_an_incident_a_drill_caused_is_labelled_as_a_drill(tmp_path):
+    _state(tmp_path)
+    s = summary(tmp_path, now=4601.0)
+    s["last_incident"] = {"kind": "non_finite", "first_step": 80, "action": "rollback", "reason": "NaN", "drill": True}
+    assert "last incident    non_finite (drill) at step 80 -> rollback: NaN" in render(s)
+    s["last_incident"]["drill"] = False
+    assert "non_finite at step 80 -> rollback" in render(s)
+
+
+def test_logs_filter_by_rank_keeps_only_that_rank_s_events(tmp_path):
+    import io
+
+    from daemon.status_cli import logs
+
+    path = tmp_path / "events.jsonl"
+    records = [{"event": "crash", "level": "error", "rank": 1}, {"event": "crash", "level": "error", "rank": 0},
+               {"event": "generation_start", "level": "info"}, {"event": "hang", "level": "error", "rank": 1}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = io.StringIO()
+    logs(path, follow=False, level=None, events=[], rank=1, as_json=True, out=out)
+    assert [json.loads(line)["event"] for line in out.getvalue().splitlines()] == ["crash", "hang"]
+
+
+def test_a_multi_node_run_shows_node_0_s_view_and_every_node_without_etcd_saying_liveness_is_unknown(tmp_path):
+    for node, step in ((0, 400), (1, 398)):
+        d = tmp_path / "nodes" / f"node-{node}"
+        d.mkdir(parents=True)
+        _state(d, generation=3, last_progress={"step": step, "loss": 2.5, "unix_s": 4600.0, "mean_step_s": 0.25})
+    s = summary(tmp_path, now=4601.0)          # no resolved config: no coordinator to ask
+    assert s["step"] == 400 and [(n["node"], n["step"], n["lease"]) for n in s["nodes"]] == [(0, 400, None),
+                                                                                            (1, 398, None)]
+    text = render(s)
+    assert "node 1           running, generation 3, step 398" in text
+    assert "etcd unreachable (node liveness unknown)" in text
