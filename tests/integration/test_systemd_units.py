@@ -130,3 +130,23 @@ def test_the_template_reads_etc_and_ascend_env_is_written_only_for_ascend(tmp_pa
         assert (etc / "ascend.env").exists() is written
         template = (tmp_path / device / "llm-pretrain@.service").read_text()
         assert f"--config {etc}/%i.toml" in template and f"EnvironmentFile=-{etc}/ascend.env" in template
+
+
+def test_a_venv_whose_base_interpreter_the_service_user_cannot_reach_is_refused(tmp_path, cli, quiet_env):
+    """A venv made from a Python under /root (pyenv): its llm-pretrain is reachable, its interpreter not."""
+    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir="/var/tmp"))
+    try:
+        base.chmod(0o755)
+        venv = _fake_venv(base)
+        hidden_python = tmp_path / "pyenv" / "python3"           # tmp_path hangs off a 0700 directory
+        hidden_python.parent.mkdir()
+        shutil.copy(SYSTEM_PYTHON, hidden_python)
+        (venv / "bin" / "python").unlink()
+        (venv / "bin" / "python").symlink_to(hidden_python)
+        done = subprocess.run([*cli, "install-service", "--venv", str(venv), "--dest", str(tmp_path / "units"),
+                               "--tmpfiles-dest", str(tmp_path / "tmpfiles"), "--etc", str(tmp_path / "etc")],
+                              env=quiet_env, capture_output=True, text=True)
+        assert done.returncode == 78 and "cannot reach the venv's base interpreter" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "units").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
