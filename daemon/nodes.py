@@ -98,13 +98,6 @@ class Nodes:
         if members is None:
             return None
         cfg = self._shaped(base, ledger.state.config_changes, members)
-        if len(members) < self.cfg.run.nodes:
-            ledger.emit("nodes_shrunk", level="warning", members=list(members),
-                        lost=sorted(set(range(self.cfg.run.nodes)) - set(members)), dp=cfg.parallel.dp,
-                        micro_batch=cfg.train.micro_batch, grad_accum_steps=cfg.train.grad_accum_steps,
-                        detail=f"going on with {len(members)} of {self.cfg.run.nodes} nodes, the same global batch")
-        elif len(self.members) < self.cfg.run.nodes and self.members:
-            ledger.emit("nodes_rejoined", members=list(members), dp=cfg.parallel.dp)
         resume = files.prepare_generation(cfg, ledger.state.recovery)
         stored = self.coord.generation()
         number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
@@ -112,7 +105,15 @@ class Nodes:
                 number, members=list(members), port=cfg.run.master_port, resume_step=resume,
                 config_changes=ledger.state.config_changes), ledger, stopping):
             return None
+        before = self.members
         self._set_generation(ledger, number, members)
+        if len(members) < self.cfg.run.nodes:          # said as the new generation's
+            ledger.emit("nodes_shrunk", level="warning", members=list(members),
+                        lost=sorted(set(range(self.cfg.run.nodes)) - set(members)), dp=cfg.parallel.dp,
+                        micro_batch=cfg.train.micro_batch, grad_accum_steps=cfg.train.grad_accum_steps,
+                        detail=f"going on with {len(members)} of {self.cfg.run.nodes} nodes, the same global batch")
+        elif before and len(before) < self.cfg.run.nodes:
+            ledger.emit("nodes_rejoined", members=list(members), dp=cfg.parallel.dp)
         return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members)
 
     def _follow(self, ledger: Ledger, base: Config, stopping) -> Opened | None:

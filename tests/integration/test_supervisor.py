@@ -115,7 +115,10 @@ def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):
     # the fake's ranks are not in lockstep (real ranks agree on the stop step): rank 0's own last step
     exits = [json.loads(l) for l in (run / "logs" / "rank-0.log").read_text().splitlines() if '"exit"' in l]
     assert RunState.load(run).last_progress["step"] == exits[-1]["step"]       # not the step of the last 10 s
-    assert exits[-1]["step"] >= _named(events, "daemon_exit")[0]["step"] - 1
+    # the exit names the step the ranks ended at (the furthest: under load the fake ranks drift apart)
+    last = [json.loads(l)["step"] for r in (0, 1) for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
+            if '"exit"' in l]
+    assert _named(events, "daemon_exit")[0]["step"] == max(last)
     assert list((run / "checkpoints").glob("step-*")), "no final checkpoint"
 
 
