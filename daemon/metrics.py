@@ -50,6 +50,7 @@ class Metrics:
         self._server: http.server.ThreadingHTTPServer | None = None
         self._textfile: Path | None = None
         self._written_at = 0.0
+        self.textfile_error: str | None = None     # why the last textfile write failed (a full disk)
 
     def update(self, **values) -> None:
         with self._lock:
@@ -125,13 +126,18 @@ class Metrics:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def flush(self, every_s: float = 5.0, force: bool = False) -> None:
-        """Rewrites the textfile (atomically) at most every `every_s`."""
+        """Rewrites the textfile (atomically) at most every `every_s`. A disk that refuses it (full,
+        read-only) costs the textfile's freshness, never the daemon: the next flush tries again."""
         if self._textfile is None:
             return
         now = time.monotonic()
         if force or now - self._written_at >= every_s:
             self._written_at = now
-            write_atomically(self._textfile, self.render())
+            try:
+                write_atomically(self._textfile, self.render())
+                self.textfile_error = None
+            except OSError as e:
+                self.textfile_error = f"{self._textfile}: {e.strerror or e}"
 
     def start(self, cfg, state, ckpt_root: Path) -> str | None:
         """Seeds the values from the run so far (`state`: daemon.state.RunState; `cfg`: the config),

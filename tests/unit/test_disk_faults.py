@@ -70,3 +70,17 @@ def test_rank_0_removes_what_failed_saves_of_earlier_steps_left(tmp_path):
         (tmp_path / name).mkdir()
     assert layout.remove_stale_saves(tmp_path, before_step=30) == ["step-00000010.tmp", "step-00000020.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000020", "step-00000030.tmp"]
+
+
+def test_a_metrics_textfile_the_disk_refuses_never_raises_and_is_written_again_later(tmp_path):
+    metrics = Metrics("r")
+    blocked = tmp_path / "textfile-dir"
+    blocked.write_text("a file where the textfile's directory should be")
+    metrics.textfile(blocked / "llm_pretrain.prom")
+    metrics.update(step=5)
+    metrics.flush(force=True)                            # NotADirectoryError: kept, never raised
+    assert metrics.textfile_error and "textfile-dir" in metrics.textfile_error
+    blocked.unlink()
+    blocked.mkdir()
+    metrics.flush(force=True)
+    assert metrics.textfile_error is None and "llm_pretrain_step" in (blocked / "llm_pretrain.prom").read_text()
