@@ -75,8 +75,9 @@ def test_rank_0_removes_what_failed_saves_of_earlier_steps_left(tmp_path):
 def test_a_metrics_textfile_the_disk_refuses_never_raises_and_is_written_again_later(tmp_path):
     metrics = Metrics("r")
     blocked = tmp_path / "textfile-dir"
-    blocked.write_text("a file where the textfile's directory should be")
     metrics.textfile(blocked / "llm_pretrain.prom")
+    blocked.rmdir()
+    blocked.write_text("a file where the textfile's directory should be")
     metrics.update(step=5)
     metrics.flush(force=True)                            # NotADirectoryError: kept, never raised
     assert metrics.textfile_error and "textfile-dir" in metrics.textfile_error
