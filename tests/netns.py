@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 
 import pytest
@@ -61,6 +62,17 @@ class Hosts:
     def cut(self, i: int) -> None:
         """Host `i` loses its network (its link goes down); `restore` brings it back."""
         _ip("link", "set", self.links[i], "down")
+
+    def lose(self, i: int) -> None:
+        """Host `i` is lost as a machine is: every process on it stopped at once, then killed."""
+        pids = [int(p) for p in subprocess.run(["ip", "netns", "pids", self.names[i]], capture_output=True,
+                                               text=True).stdout.split()]
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
+            for pid in pids:
+                try:
+                    os.kill(pid, sig)
+                except OSError:
+                    pass
 
     def restore(self, i: int) -> None:
         _ip("link", "set", self.links[i], "up")

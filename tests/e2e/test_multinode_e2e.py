@@ -1,6 +1,8 @@
-"""Two hosts (network namespaces on a bridge), one daemon and one MindSpore rank each, agreeing through
-a real etcd on host 0: the run trains as one, losses equal to one host with two ranks; a rank
-killed on host 1 ends the generation on both hosts, and both restart it together."""
+"""Hosts as network namespaces on a bridge, one daemon and one MindSpore rank each, agreeing through
+a real etcd on host 0: two hosts train as one (losses equal one host with two ranks) and ride out
+faults together (a rank or a daemon killed, etcd down, a NaN, a cut link, a stop on host 1); three
+hosts lose one, go on with two at the same global batch, and take it back."""
+import datetime
 import json
 import os
 import signal
@@ -32,16 +34,18 @@ def etcd(hosts, tmp_path):
 
 
 def _sets(corpus, run, *extra):
-    sets = [f'data.path="{corpus}"', f"train.steps={STEPS}", "checkpoint.interval_steps=10", "parallel.dp=2",
+    # the lr schedule's length pinned: the same lr at each step whatever train.steps a run is given
+    sets = [f'data.path="{corpus}"', f"train.steps={STEPS}", "optim.cosine_steps=2000", "checkpoint.interval_steps=10",
+            "parallel.dp=2",
             "train.micro_batch=4", f'run.dir="{run}"', "train.log_interval_steps=1",
             "health.restart_backoff_initial_s=0.2", "health.restart_backoff_max_s=1", "run.kill_grace_s=5", *extra]
     return sum((["--set", s] for s in sets), [])
 
 
-def _start_node(cli, env, hosts, etcd, i, run, corpus, tmp_path):
-    extra = ["run.nodes=2", f"run.node_rank={i}", f'run.master_addr="{hosts.addr(0)}"', "run.master_port=29555",
-             f'run.coordinator="{etcd.url}"', "run.node_lease_ttl_s=3"]
-    out = open(tmp_path / f"node-{i}.out", "w")
+def _start_node(cli, env, hosts, etcd, i, run, corpus, tmp_path, *more):
+    extra = [f"run.nodes={hosts.count}", f"run.node_rank={i}", f'run.master_addr="{hosts.addr(0)}"',
+             "run.master_port=29555", f'run.coordinator="{etcd.url}"', "run.node_lease_ttl_s=3", *more]
+    out = open(tmp_path / f"node-{i}.out", "a")
     return subprocess.Popen([*hosts.prefix(i), *cli, "run", "--log-format", "json", *_sets(corpus, run, *extra)],
                             cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -51,14 +55,19 @@ def _events(run: Path, node: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def _steps(log: Path) -> list[dict]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{") and '"kind": "step"' in line]
+
+
 def _losses(log: Path) -> dict[int, float]:
     """step → loss of the last generation that logged it."""
-    out = {}
-    for line in log.read_text().splitlines():
-        if line.startswith("{") and '"kind": "step"' in line:
-            e = json.loads(line)
-            out[e["step"]] = e["loss"]
-    return out
+    return {e["step"]: e["loss"] for e in _steps(log)}
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5 * max(1.0, abs(b))
 
 
 def _finish(procs, timeout_s=400):
@@ -68,39 +77,166 @@ def _finish(procs, timeout_s=400):
     return [p.returncode for p in procs]
 
 
-def test_two_hosts_train_as_one_and_a_rank_killed_on_host_1_restarts_both(cli, quiet_env, tmp_path, stdlib_corpus,
-                                                                          hosts, etcd):
-    reference = tmp_path / "reference"
+def test_three_hosts_lose_one_go_on_with_two_at_the_same_global_batch_and_take_it_back(cli, quiet_env, tmp_path,
+                                                                                          stdlib_corpus):
+    elastic = ["parallel.dp=3", "train.global_batch=12", "run.min_nodes=2", "run.node_rejoin_timeout_s=5",
+               "train.steps=60"]
+    run = tmp_path / "run"
+    with Hosts(3) as hosts:
+        etcd = EtcdServer(tmp_path / "etcd", host=hosts.addr(0), client_port=2379, peer_port=2380,
+                          prefix=hosts.prefix(0)).start()
+        start = lambda i: _start_node(cli, quiet_env, hosts, etcd, i, run, stdlib_corpus, tmp_path, *elastic)
+        nodes = [start(i) for i in range(3)]
+        try:
+            rank_logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in range(3)]
+            wait_for(lambda: len(_steps(rank_logs[2])) >= 15, 300, "step 15 on host 2")
+            hosts.lose(2)                                        # host 2 is gone (daemon, rank), and stays gone
+            lost_at = time.time()
+            nodes[2].wait()
+
+            def smaller_generation_trains():
+                shrunk = [e for e in _events(run, 0) if e["event"] == "nodes_shrunk"]
+                return shrunk and [e for e in _events(run, 0) if e["event"] == "first_step"
+                                   and e["generation"] == shrunk[0]["generation"]]
+            wait_for(smaller_generation_trains, 120, "the first step on two hosts")
+            shrunk_gen = next(e for e in _events(run, 0) if e["event"] == "nodes_shrunk")["generation"]
+            first = next(e for e in _events(run, 0) if e["event"] == "first_step" and e["generation"] == shrunk_gen)
+            first_at = datetime.datetime.fromisoformat(first["ts"].replace("Z", "+00:00")).timestamp()
+            print(f"host lost -> first step on two hosts: {first_at - lost_at:.1f} s "
+                  f"(lease ttl 3 s, rejoin timeout 5 s, generation start {first['since_open_s']} s)")
+            wait_for(lambda: len([e for e in _steps(rank_logs[0]) if e["generation"] == shrunk_gen]) >= 8, 200,
+                     "steps on two hosts")
+            nodes[2] = start(2)                                  # back: taken in at once, after a checkpoint
+            codes = _finish(nodes, 400)
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    p.kill()
+            etcd.stop()
+    outputs = [(tmp_path / f"node-{i}.out").read_text()[-3000:] for i in range(3)]
+    assert codes == [0, 0, 0], outputs
+    ev0 = _events(run, 0)
+    shrunk = [e for e in ev0 if e["event"] == "nodes_shrunk"]
+    assert [(e["members"], e["dp"], e["micro_batch"], e["grad_accum_steps"]) for e in shrunk] == [([0, 1], 2, 3, 2)]
+    assert [e for e in ev0 if e["event"] == "nodes_rejoined"]
+    starts = [[e["generation"] for e in _events(run, i) if e["event"] == "generation_start"] for i in range(3)]
+    assert starts[0] == starts[1] and starts[2][-1] == starts[0][-1], starts
+    # the same global batch and sample order on 3 and on 2 hosts: a step replayed by the smaller
+    # cluster has the loss the full cluster had, and every step's samples are the same 12
+    steps = _steps(run / "logs" / "node-0" / "rank-0.log")
+    by_generation: dict[int, dict[int, dict]] = {}
+    for e in steps:
+        by_generation.setdefault(e["generation"], {})[e["step"]] = e
+    full, small = by_generation[starts[0][0]], by_generation[shrunk_gen]
+    replayed = sorted(set(full) & set(small))
+    assert replayed, (sorted(full), sorted(small))
+    assert all(_close(small[s]["loss"], full[s]["loss"]) for s in replayed), \
+        [(s, full[s]["loss"], small[s]["loss"]) for s in replayed]
+    assert all(e["sample_end"] - e["sample_start"] == 12 and e["sample_start"] == 12 * (e["step"] - 1) for e in steps)
+    assert max(e["step"] for e in steps) == 60
+    for node in range(3):
+        assert [e["reason"] for e in _events(run, node) if e["event"] == "daemon_exit"][-1:] == ["finished"]
+
+
+def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_daemon_a_cut_link_and_a_stop(
+        cli, quiet_env, tmp_path, stdlib_corpus, hosts, etcd):
+    from daemon import control
+
+    reference = tmp_path / "reference"            # one host, two ranks: what the two hosts must train
     done = subprocess.run([*cli, "run", "--log-format", "json", *_sets(stdlib_corpus, reference)], cwd=tmp_path,
                           env=quiet_env, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:]
     expected = _losses(reference / "logs" / "rank-0.log")
     assert len(expected) == STEPS
 
+    faults = ["train.steps=100000", "health.allow_fault_injection=true", "health.hang_floor_s=8",
+              "run.node_rejoin_timeout_s=40", "run.coordinator_timeout_s=60"]
     run = tmp_path / "run"
-    nodes = [_start_node(cli, quiet_env, hosts, etcd, i, run, stdlib_corpus, tmp_path) for i in (0, 1)]
+    start = lambda i: _start_node(cli, quiet_env, hosts, etcd, i, run, stdlib_corpus, tmp_path, *faults)
+    nodes = [start(0), start(1)]
+    rank_logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1)]
+    named = lambda node, name: [e for e in _events(run, node) if e["event"] == name]
+    last_step = lambda: max((e["step"] for e in _steps(rank_logs[0])), default=0)
+    generation = lambda: max((e["generation"] for e in named(0, "generation_start")), default=0)
+
+    def trains_on(gen_after: int, steps: int = 5):
+        wait_for(lambda: len([e for e in _steps(rank_logs[1]) if e["generation"] > gen_after]) >= steps, 300,
+                 f"{steps} steps on host 1 after generation {gen_after}")
     try:
-        rank_1_log = run / "logs" / "node-1" / "rank-1.log"
-        wait_for(lambda: rank_1_log.exists() and len(_losses(rank_1_log)) >= 15, 300, "step 15 on host 1")
-        pid = next(e for e in _events(run, 1) if e["event"] == "generation_start")["pids"]["1"]
+        trains_on(0, 15)
+        # etcd stopped for 20 s and started again: the generation trains on, nothing restarts
+        gen, before = generation(), last_step()
+        etcd.stop()
+        time.sleep(20)
+        etcd.start()
+        wait_for(lambda: last_step() >= before + 30, 120, "steps after etcd came back")
+        assert generation() == gen and not named(0, "incident") and not named(1, "incident")
+
+        # a NaN on host 1's rank: one decision (node 0's), applied by both, the same lr cut on both ranks
+        at = last_step() + 15
+        control.write_request(run / "nodes" / "node-1" / "control", "inject", {"fault": "nan", "rank": 1, "at_step": at})
+        wait_for(lambda: named(1, "incident"), 120, "the NaN incident on host 1")
+        trains_on(named(1, "incident")[-1]["generation"], 5)
+        nan0, nan1 = named(0, "incident")[-1], named(1, "incident")[-1]
+        assert nan0["kind"] == nan1["kind"] == "non_finite" and nan0["action"] == nan1["action"]
+        assert nan0["action"]["type"] == "rollback"
+        replay = [[e for e in _steps(log) if e["generation"] == nan0["generation"] + 1] for log in rank_logs]
+        assert replay[0] and replay[1] and {e["lr_multiplier"] for e in replay[0] + replay[1]} == {0.5}
+
+        # a rank killed on host 1: both hosts end the generation and restart it together
+        gen = generation()
+        pid = [e for e in named(1, "generation_start")][-1]["pids"]["1"]
         os.kill(int(pid), signal.SIGKILL)
-        codes = _finish(nodes)
+        trains_on(gen, 5)
+
+        # host 1's daemon killed and back within the rejoin timeout: the run goes on at full size
+        gen = generation()
+        nodes[1].send_signal(signal.SIGKILL)
+        nodes[1].wait()
+        time.sleep(1)
+        nodes[1] = start(1)
+        trains_on(gen, 5)
+        assert [e["members"] for e in named(0, "nodes_shrunk")] == []
+
+        # host 1's link down past the hang timeout, then up: both restart together
+        gen = generation()
+        hosts.cut(1)
+        time.sleep(12)
+        hosts.restore(1)
+        trains_on(gen, 5)
+
+        # a stop dropped on host 1: both stop after one committed checkpoint
+        control.write_request(run / "nodes" / "node-1" / "control", "stop", {"reason": "maintenance"})
+        codes = _finish(nodes, 200)
     finally:
         for p in nodes:
             if p.poll() is None:
                 p.kill()
     outputs = [(tmp_path / f"node-{i}.out").read_text()[-3000:] for i in (0, 1)]
     assert codes == [0, 0], outputs
-    starts = [[e["generation"] for e in _events(run, i) if e["event"] == "generation_start"] for i in (0, 1)]
-    assert starts[0] == starts[1] and len(starts[0]) == 2, starts          # the same generations, both hosts
-    incidents = [[(e["kind"], e["generation"]) for e in _events(run, i) if e["event"] == "incident"] for i in (0, 1)]
-    assert incidents[0] == incidents[1] and incidents[0][0][0] == "crash", incidents   # one decision, applied by both
-    assert not [e for e in _events(run, 1) if e["event"] == "decision_mismatch"]
+    starts = [[e["generation"] for e in named(i, "generation_start")] for i in (0, 1)]
+    assert starts[0] == starts[1], starts                       # the same generations, on both hosts
+    assert not named(1, "decision_mismatch")
     for node in (0, 1):
-        assert [e["reason"] for e in _events(run, node) if e["event"] == "daemon_exit"] == ["finished"]
-    # the per-step losses of the last lineage equal one host with two ranks (the data order and the
-    # global batch do not depend on the topology), on both ranks
-    for node, rank in ((0, 0), (1, 1)):
-        got = _losses(run / "logs" / f"node-{node}" / f"rank-{rank}.log")
-        assert sorted(got) == sorted(expected)
-        assert all(abs(got[s] - expected[s]) <= 1e-5 * max(1.0, abs(expected[s])) for s in expected), (node, rank)
+        assert [e["reason"] for e in named(node, "daemon_exit")][-1] == "stopped"
+    # nothing committed was lost: each generation resumed from the newest commit before it (the
+    # rollback's, from the checkpoint it chose)
+    newest, target, resumed = 0, None, []
+    for e in _events(run, 0):
+        if e["event"] == "checkpoint_committed":
+            newest = max(newest, e["step"])
+        elif e["event"] == "incident" and e.get("action", {}).get("type") == "rollback":
+            target = e["action"]["checkpoint_step"]
+        elif e["event"] == "generation_start" and e["generation"] > 1:
+            resumed.append((e["resume_step"], target if target is not None else newest))
+            newest, target = e["resume_step"], None
+    assert len(resumed) == 4 and all(got == want for got, want in resumed), resumed
+    kinds = [[e["kind"] for e in named(node, "incident")] for node in (0, 1)]
+    # node 0 decided each; host 1 applied each but the one decided while its daemon was dead
+    assert kinds == [["non_finite", "crash", "node_lost", "node_lost"], ["non_finite", "crash", "node_lost"]], kinds
+    # the first generation's losses equal one host with two ranks (the global batch and the data
+    # order do not depend on the topology), on both ranks
+    for log in rank_logs:
+        got = {e["step"]: e["loss"] for e in _steps(log) if e["generation"] == 1 and e["step"] <= STEPS}
+        assert sorted(got) == sorted(expected) and all(_close(got[s], expected[s]) for s in expected)
+    assert named(0, "daemon_exit")[-1]["step"] == newest
