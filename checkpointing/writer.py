@@ -94,6 +94,22 @@ class ShardWriter:
             return not self._thread.is_alive()
         return True
 
+    def refuse(self, step: int, reason: str) -> None:
+        """This rank does not write its shard of `step` (a save that cannot fit): rank 0 removes what
+        failed saves left (space a full disk needs back, so saves can resume by themselves); any
+        other rank tells the committer at once, which would otherwise wait out its timeout for a
+        shard that never comes (the ranks judge free space each at its own moment)."""
+        self.last_error = CheckpointError(reason)
+        try:
+            if self.rank == 0:
+                layout.remove_stale_saves(self.root, before_step=step)
+                return
+            tmp = layout.tmp_dir(self.root, step)
+            tmp.mkdir(parents=True, exist_ok=True)    # rank 0's next save removes it if it refused too
+            _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps({"error": reason}).encode())
+        except OSError:
+            pass
+
     # The background thread -------------------------------------------------
     def _write(self, step: int, tensors: dict[str, np.ndarray], run_state: dict[str, Any] | None,
                versions: dict[str, str]) -> None:

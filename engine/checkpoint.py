@@ -102,7 +102,7 @@ class TrainerCheckpoints:
         step = state["step"]
         self.writer.ready(step)
         if (short := self._space_short()) is not None:
-            self.writer.last_error = checkpointing.CheckpointError(short)   # this save failed, said early
+            self.writer.refuse(step, short)          # this save failed, said early (and to the committer)
             self._emit("failed", step=step, error=short)
             return
         started = time.monotonic()

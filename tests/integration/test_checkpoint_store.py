@@ -169,3 +169,22 @@ def test_a_slowly_written_marker_is_never_read_half_done(tmp_path, monkeypatch):
     w1.wait()
     w0.wait()
     assert failures == [] and layout.committed_steps(tmp_path) == [1]
+
+
+def test_a_rank_that_refuses_a_save_for_want_of_space_aborts_the_commit_quickly_and_rank_0_clears_leftovers(tmp_path):
+    events = []
+    w0 = ShardWriter(tmp_path, rank=0, world=2, emit=lambda s, **i: events.append((s, i.get("error", ""))))
+    w1 = ShardWriter(tmp_path, rank=1, world=2)
+    w1.refuse(5, "not enough free space for a checkpoint")
+    started = time.monotonic()
+    w0.save(5, {"ok": np.zeros(3, np.float32)}, run_state={})
+    w0.wait()
+    assert time.monotonic() - started < 5             # not the commit timeout
+    assert any(stage == "failed" and "rank 1 failed" in err and "free space" in err for stage, err in events)
+    assert layout.committed_steps(tmp_path) == [] and not list(tmp_path.glob("*.tmp"))
+    # rank 1 wrote its shard but rank 0 refused: what it left goes at rank 0's next save or refusal
+    w1.save(10, {"ok": np.zeros(3, np.float32)})
+    w1.wait()
+    assert list(tmp_path.glob("*.tmp"))
+    w0.refuse(15, "not enough free space for a checkpoint")
+    assert not list(tmp_path.glob("*.tmp")) and isinstance(w0.last_error, Exception)
