@@ -144,10 +144,19 @@ class Ledger:
         self.metrics.flush(force=True)
         return code
 
+    def hold_undecided(self, incident: Incident | None) -> None:
+        """The incident that ends this generation, saved before the teardown: a daemon killed before
+        it decides leaves it for the next one to decide (never lost to a kill -9)."""
+        if incident is not None:
+            self.state.undecided = incident.to_dict()
+            self.save()
+
     def record(self, record: IncidentRecord, event: str, level: str) -> None:
         """An incident (with its decision, if any) into state.json, the metrics and the log."""
         self.metrics.count_incident(record.kind.value)
         self.state.incidents.append(record)
+        if record.action is not None:
+            self.state.undecided = None
         self.save()
         self.emit(event, level=level, **record.log_fields())
 

@@ -75,7 +75,9 @@ class Alone:
         return outcome
 
     def unfinished(self, ledger: Ledger) -> Incident | None:
-        return None
+        """An incident a killed daemon held but did not decide: decided first."""
+        held = ledger.state.undecided
+        return Incident.from_dict(held) if held else None
 
     def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
                 stopping: Callable[[], bool]) -> recovery.Decision | None:

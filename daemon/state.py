@@ -48,6 +48,7 @@ class RunState:
     recovery: Recovery | None = None     # the policy's directive in force
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
     pending_rollback: int | None = None  # a rollback target decided and recorded, its renames not yet done
+    undecided: dict[str, Any] | None = None   # an incident that ended a generation, not yet decided (an Incident)
     checkpoints_failing_since: int | None = None   # the step of the first failed save since the last commit
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
     last_control: dict[str, Any] = dataclasses.field(default_factory=dict)   # the last request taken: name, file, unix_s

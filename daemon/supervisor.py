@@ -167,6 +167,7 @@ class Supervisor:
                                 log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
                 outcome = self._watch(gen, w, n)
                 outcome = self.peers.conclude(n, outcome, requested=w.stop_sent_at is not None or bool(self.stop_reason))
+                ledger.hold_undecided(getattr(outcome, "incident", None))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s)
         finally:
             self.state.processes = []

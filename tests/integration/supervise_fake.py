@@ -42,6 +42,13 @@ def _arm(point: str) -> None:
         recovery.count_restart = _die
     elif point == "backoff":
         Supervisor._sleep = _die
+    elif point == "detected":                      # the incident known, nothing of it recorded yet
+        recovery.decide_and_record = _die
+    elif point == "opened":                        # the next generation's ranks spawned, no step yet
+        from daemon import watch
+
+        init = watch.Watch.__init__
+        watch.Watch.__init__ = lambda self, cfg, **kw: _die() if kw["generation"] > 1 else init(self, cfg, **kw)
 
 
 def main() -> int:

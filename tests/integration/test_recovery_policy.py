@@ -149,3 +149,35 @@ def test_a_rollback_interrupted_by_kill_9_anywhere_is_completed_once_by_the_next
     skip = state.recovery.skip_ranges[0]
     assert gen2[0]["step"] == 26 and gen2[-1]["step"] == 60 and all(e["lr_multiplier"] == 0.5 for e in gen2)
     assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2)
+
+
+def test_a_daemon_killed_after_detecting_before_deciding_leaves_the_incident_for_the_next_to_decide(tmp_path):
+    run = tmp_path / "run"
+    fake = ["--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"]
+    code, _, _ = _finish(_start(run, overrides=QUICK_HEALTH, fake=fake, env=dict(os.environ, FAKE_DAEMON_DIE_AT="detected")))
+    held = RunState.load(run)
+    assert code == -9 and not held.incidents and held.undecided["kind"] == "loss_spike"   # held, not decided
+    code, events, err = _finish(_start(run, overrides=QUICK_HEALTH, fake=fake))
+    assert code == 0, err
+    assert len(_named(events, "rollback")) == 1 and [e["kind"] for e in _named(events, "incident")] == ["loss_spike"]
+    assert _named(events, "generation_start")[0]["resume_step"] == 25 and RunState.load(run).undecided is None
+    assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_a_daemon_killed_once_the_next_generation_is_spawned_keeps_the_decision_in_force(tmp_path):
+    run = tmp_path / "run"
+    fake = ["--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"]
+    code, events, _ = _finish(_start(run, overrides=QUICK_HEALTH, fake=fake, env=dict(os.environ, FAKE_DAEMON_DIE_AT="opened")))
+    assert code == -9 and len(_named(events, "rollback")) == 1
+    code, events, err = _finish(_start(run, overrides=QUICK_HEALTH, fake=fake))
+    assert code == 0, err
+    assert not _named(events, "rollback") and not _named(events, "incident")    # decided and done once
+    resumed = _named(events, "generation_start")[0]["resume_step"]
+    assert 25 <= resumed < 30                  # the rollback's lineage (the orphans' save on SIGTERM at most)
+    state = RunState.load(run)
+    skip = state.recovery.skip_ranges[0]
+    after = [e for e in _steps(run / "logs" / "rank-0.log") if e["step"] > 25]
+    last_gen = max(e["generation"] for e in after)
+    final = [e for e in after if e["generation"] == last_gen]
+    assert final[-1]["step"] == 60 and all(e["lr_multiplier"] == 0.5 for e in final)
+    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in final)
