@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from daemon import control, memcg, peers, recovery, watch
+from daemon import control, effects_of_watch, memcg, peers, recovery, watch
 from daemon.nodes import Nodes
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, kill_orphans, socket_path
@@ -203,29 +203,7 @@ class Supervisor:
             gen.wait(TICK_S)
 
     def _apply(self, effects: list[watch.Effect], gen: Generation) -> None:
-        """Carries out what the watch asked for."""
-        ledger = self.ledger
-        for e in effects:
-            if isinstance(e, watch.Send):
-                self.peers.send(e.name, dict(e.args), ledger, self.files.append_command)
-            elif isinstance(e, watch.Note):
-                ledger.emit(e.event, level=e.level, **e.fields)
-            elif isinstance(e, watch.Status):
-                ledger.set_status(e.status, e.text)
-            elif isinstance(e, watch.Progress):
-                ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
-            elif isinstance(e, watch.Warned):
-                ledger.warn(e.incident)
-            elif isinstance(e, watch.CheckpointFailed):
-                ledger.checkpoint_failed(e.step, e.detail)
-            elif isinstance(e, watch.Committed):
-                ledger.checkpoint_committed(e.step)
-                retired = self.peers.is_leader and self.files.retire_old(self.cfg, self.state.incidents,
-                                                                          current_step=e.current_step)
-                if retired:
-                    ledger.emit("checkpoints_retired", step=e.step, steps=retired)
-            elif isinstance(e, watch.DumpStacks):
-                gen.dump_stacks(e.ranks)
+        effects_of_watch.carry_out(effects, ledger=self.ledger, gen=gen, peers=self.peers, files=self.files, cfg=self.cfg)
 
     # Between generations -----------------------------------------------------------------------
     def _recover(self, incident: Incident) -> int | None:

@@ -1,0 +1,37 @@
+"""Carries out what the watch (a pure state machine) asked for during a generation: commands to the
+ranks, events, status, progress, warnings, checkpoint bookkeeping with retention, stack dumps."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from daemon import watch
+from daemon.generation import Generation
+from daemon.ledger import Ledger
+from daemon.run_files import RunFiles
+from engine.config import Config
+
+
+def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generation, peers, files: RunFiles,
+              cfg: Config) -> None:
+    """`peers`: daemon.peers.Alone or daemon.nodes.Nodes (commands go through it; only node 0 retires
+    checkpoints)."""
+    for e in effects:
+        if isinstance(e, watch.Send):
+            peers.send(e.name, dict(e.args), ledger, files.append_command)
+        elif isinstance(e, watch.Note):
+            ledger.emit(e.event, level=e.level, **e.fields)
+        elif isinstance(e, watch.Status):
+            ledger.set_status(e.status, e.text)
+        elif isinstance(e, watch.Progress):
+            ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
+        elif isinstance(e, watch.Warned):
+            ledger.warn(e.incident)
+        elif isinstance(e, watch.CheckpointFailed):
+            ledger.checkpoint_failed(e.step, e.detail)
+        elif isinstance(e, watch.Committed):
+            ledger.checkpoint_committed(e.step)
+            retired = peers.is_leader and files.retire_old(cfg, ledger.state.incidents, current_step=e.current_step)
+            if retired:
+                ledger.emit("checkpoints_retired", step=e.step, steps=retired)
+        elif isinstance(e, watch.DumpStacks):
+            gen.dump_stacks(e.ranks)
