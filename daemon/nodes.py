@@ -101,10 +101,16 @@ class Nodes:
         resume = files.prepare_generation(cfg, ledger.state.recovery)
         stored = self.coord.generation()
         number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
-        if not self._retrying(lambda: self.coord.publish_generation(
-                number, members=list(members), port=cfg.run.master_port, resume_step=resume,
-                config_changes=ledger.state.config_changes), ledger, stopping):
+        written = self._retrying(lambda: self.coord.publish_generation(
+            number, members=list(members), port=cfg.run.master_port, resume_step=resume,
+            config_changes=ledger.state.config_changes), ledger, stopping)
+        if written is None:
             return None
+        if not written:          # only node 0 writes it: another daemon believes it is node 0
+            raise PeersUnavailableError(
+                f"generation {number} was published by another daemon under {self.coord.prefix}: is a second "
+                "machine configured with run.node_rank = 0, or another run using the same run.coordinator_prefix?",
+                ExitCode.CONFIG_ERROR)
         before = self.members
         self._set_generation(ledger, number, members)
         if len(members) < self.cfg.run.nodes:          # said as the new generation's
@@ -208,22 +214,22 @@ class Nodes:
             time.sleep(POLL_S)
         return None
 
-    def _retrying(self, write: Callable[[], bool], ledger: Ledger, stopping) -> bool:
+    def _retrying(self, write: Callable[[], bool | None], ledger: Ledger, stopping) -> bool | None:
         """A write to etcd, retried while etcd is away (decisions wait for it to return), until
-        run.coordinator_timeout_s (PeersUnavailableError). True: written (a lost compare-and-swap
-        included: another writer moved on, which the caller reads from the mirror)."""
+        run.coordinator_timeout_s (PeersUnavailableError). The write's answer (False: a lost
+        compare-and-swap; a plain put: True); None when a stop came first."""
         said = False
         while not stopping():
             try:
-                write()
-                return True
+                result = write()
+                return True if result is None else bool(result)
             except EtcdError as e:
                 if not said:
                     ledger.emit("coordinator_unreachable", level="warning", detail=str(e))
                     said = True
                 self._check_coordinator(self.clock())
                 time.sleep(1.0)
-        return False
+        return None
 
     def _check_coordinator(self, now: float) -> None:
         if self.cut_off(now):
