@@ -6,6 +6,7 @@ from typing import Sequence
 
 from daemon import watch
 from daemon.generation import Generation
+from daemon.incidents import Incident, Kind
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
 from engine.config import Config
@@ -33,5 +34,16 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             retired = peers.is_leader and files.retire_old(cfg, ledger.state.incidents, current_step=e.current_step)
             if retired:
                 ledger.emit("checkpoints_retired", step=e.step, steps=retired)
+            _disk_space(ledger, files, e.step)
         elif isinstance(e, watch.DumpStacks):
             gen.dump_stacks(e.ranks)
+
+
+def _disk_space(ledger: Ledger, files: RunFiles, step: int) -> None:
+    """A warning once the disk has room for fewer than two more checkpoints (said again only after
+    space came back), before saves start to fail."""
+    low = files.space_low(step)
+    if low is not None and not ledger.disk_space_low:
+        ledger.warn(Incident(kind=Kind.DISK_SPACE_LOW, first_step=step, last_step=step, needs_action=False,
+                             detail=low))
+    ledger.disk_space_low = low is not None

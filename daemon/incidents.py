@@ -29,6 +29,7 @@ class Kind(str, enum.Enum):
     THROUGHPUT_REGRESSION = "throughput_regression"   # warnings only
     LOSS_STALLED = "loss_stalled"
     CHECKPOINT_FAILING = "checkpoint_failing"         # saves fail (a full or read-only disk): training goes on
+    DISK_SPACE_LOW = "disk_space_low"      # room for fewer than two more checkpoints (a warning, before saves fail)
     STRAGGLER = "straggler"                # a rank the others wait for (a warning; acted on when configured)
     DATA_CORRUPT = "data_corrupt"          # corpus blocks fail their checksums, found before training on them
     NODE_LOST = "node_lost"                # multi-node: a node's daemon went silent (its lease expired) or restarted

@@ -40,6 +40,7 @@ class Ledger:
         self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
         self.unsaved_since: float | None = None   # state.json could not be written since then
         self.generation_opened: float | None = None   # the current generation opened, until its first step
+        self.disk_space_low = False        # said with a disk_space_low warning; cleared when space comes back
         self._retried_at = 0.0
 
     def _load(self) -> RunState:

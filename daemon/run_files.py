@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from checkpointing import layout, reader, retention
+from checkpointing import CheckpointError, layout, reader, retention
 from daemon import cluster
 from daemon.generation import worker_env
 from daemon.incidents import IncidentRecord
@@ -54,6 +54,22 @@ class RunFiles:
         short of a checksum only they compute; one that does not is theirs to quarantine."""
         return [s for s in layout.committed_steps(self.ckpt_root)
                 if not reader.looks_complete(layout.step_dir(self.ckpt_root, s))]
+
+    def space_low(self, step: int) -> str | None:
+        """Why the disk will soon refuse saves, if it will: less free space than two checkpoints the
+        size of committed `step` (retention frees one at most per commit)."""
+        import shutil
+
+        try:
+            manifest = reader.read_manifest(layout.step_dir(self.ckpt_root, step))
+            size = sum(int(sh["size_bytes"]) for sh in manifest["shards"])
+            free = shutil.disk_usage(self.ckpt_root).free
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+            return None
+        if free >= 2 * size:
+            return None
+        return (f"{free:,} bytes free under {self.ckpt_root}: room for fewer than two more checkpoints of "
+                f"{size:,} bytes (step {step}); saves will fail when it runs out")
 
     def committed_step(self) -> int:
         steps = self.committed_steps()

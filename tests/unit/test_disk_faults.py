@@ -85,3 +85,33 @@ def test_a_metrics_textfile_the_disk_refuses_never_raises_and_is_written_again_l
     blocked.mkdir()
     metrics.flush(force=True)
     assert metrics.textfile_error is None and "llm_pretrain_step" in (blocked / "llm_pretrain.prom").read_text()
+
+
+def test_room_for_fewer_than_two_more_checkpoints_is_one_warning_until_space_comes_back(tmp_path):
+    from daemon.effects_of_watch import _disk_space
+    from daemon.run_files import RunFiles
+    from engine.config import load_config
+
+    files = RunFiles(load_config(None, [f'run.dir="{tmp_path / "run"}"']), {})
+    step_dir = layout.step_dir(files.ckpt_root, 10)
+    step_dir.mkdir(parents=True)
+    free = shutil.disk_usage(tmp_path).free
+
+    def checkpoint_of(size):
+        (step_dir / "manifest.json").write_text(json.dumps({"format": "llm-pretrain-checkpoint", "version": 1, "step": 10,
+                                                         "shards": [{"size_bytes": size}]}))
+
+    out = io.StringIO()
+    ledger = Ledger(tmp_path / "run", EventLog(None, "r", stream=out), Metrics("r"), Notifier({}), total_steps=10)
+    checkpoint_of(free // 3)                           # room for about three: quiet
+    _disk_space(ledger, files, 10)
+    checkpoint_of(free // 2 + 1)                       # room for one: a warning, once
+    _disk_space(ledger, files, 10)
+    _disk_space(ledger, files, 10)
+    checkpoint_of(1024)                                # space came back: said again next time
+    _disk_space(ledger, files, 10)
+    checkpoint_of(free)
+    _disk_space(ledger, files, 10)
+    warnings = [json.loads(l) for l in out.getvalue().splitlines() if '"health_warning"' in l]
+    assert [w["kind"] for w in warnings] == [Kind.DISK_SPACE_LOW] * 2
+    assert "room for fewer than two more checkpoints" in warnings[0]["detail"]
