@@ -40,6 +40,9 @@ def test_an_unwritable_state_is_kept_in_memory_and_written_when_the_disk_takes_i
     events = [json.loads(l) for l in out.getvalue().splitlines()]
     assert [e["event"] for e in events] == ["state_save_failed", "health_warning"]
     assert events[1]["kind"] == Kind.CHECKPOINT_FAILING and "since step 40" in events[1]["detail"]
+    assert "llm_pretrain_checkpoints_failing_since_step{" in ledger.metrics.render()
+    assert [l for l in ledger.metrics.render().splitlines()
+            if l.startswith("llm_pretrain_checkpoints_failing_since_step{")][0].endswith(" 40")
     run.unlink()
     run.mkdir()
     ledger._retried_at = 0.0
@@ -49,6 +52,8 @@ def test_an_unwritable_state_is_kept_in_memory_and_written_when_the_disk_takes_i
     ledger.checkpoint_committed(60)
     assert json.loads(out.getvalue().splitlines()[-1])["failing_since_step"] == 40
     assert json.loads((run / "state.json").read_text())["checkpoints_failing_since"] is None
+    assert [l for l in ledger.metrics.render().splitlines()
+            if l.startswith("llm_pretrain_checkpoints_failing_since_step{")][0].endswith(" 0")
 
 
 def test_a_refused_atomic_write_leaves_no_part_behind(tmp_path):
