@@ -166,7 +166,7 @@ class Nodes:
         micro = merged.get("train.micro_batch", base.train.micro_batch)
         per_node = base.parallel.world_size // base.run.nodes
         shape = shape_on(len(members), ranks_per_node=per_node, model_parallel=base.parallel.tp * base.parallel.pp,
-                                 global_batch=base.train.global_batch, micro_batch=micro)
+                         global_batch=base.train.global_batch, micro_batch=micro)
         if shape is None:       # refused when the config was read (engine.config._check_elastic)
             raise PeersUnavailableError(f"no shape keeps train.global_batch on {len(members)} nodes", ExitCode.CONFIG_ERROR)
         slot = members.index(self.coord.node) if self.coord.node in members else 0
