@@ -40,12 +40,6 @@ def process_env(base: Mapping[str, str], *, role: str, sched_host: str, sched_po
         "MS_LOCAL_WORKER_NUM": str(local_worker_num),
         ENV_GENERATION: str(generation),
     })
-    # a worker learns that the cluster is ready from its heartbeat's reply, and sleeps 3-5 s between
-    # heartbeats by default (MindSpore's dynamic cluster: MS_RETRY_INTERVAL_LOWER/UPPER, whole
-    # seconds): every generation's start waited for it. 1 s: ~2 s less per start, measured A/B on
-    # 2 CPU ranks; an operator's own setting wins.
-    env.setdefault("MS_RETRY_INTERVAL_LOWER", "1")
-    env.setdefault("MS_RETRY_INTERVAL_UPPER", "1")
     env.pop("MS_NODE_ID", None)
     if role == WORKER and node_id is not None:
         env["MS_NODE_ID"] = str(node_id)
