@@ -79,3 +79,44 @@ def test_a_shard_zeroed_while_training_is_caught_quarantined_and_training_finish
     assert resumed["resume_step"] == action["checkpoint_step"]
     steps = [e for e in _rank_steps(run) if e["generation"] == resumed["generation"]]
     assert steps[0]["step"] == action["checkpoint_step"] + 1 and steps[-1]["step"] == 60
+
+
+def test_a_corpus_turned_to_zeros_unchecked_is_caught_by_the_loss_rolled_back_and_training_recovers(
+        cli, quiet_env, tmp_path, small_block_corpus):
+    """Without block checksums (data.verify_checksums = false), the loss is the last line of defence:
+    every shard zeroed in place mid-run first makes the loss jump (a spike: sequences of one token
+    the model never saw), and, trained on, collapse far below its band; either is an incident:
+    rolled back to a checkpoint before it; the corpus put back, training finishes healthy."""
+    corpus = tmp_path / "corpus"
+    subprocess.run(["cp", "-r", str(small_block_corpus), str(corpus)], check=True)
+    shards = sorted(corpus.glob("tokens-*.bin"))
+    originals = {p: p.read_bytes() for p in shards}
+    run = tmp_path / "run"
+    sets = [f'data.path="{corpus}"', "data.verify_checksums=false", "train.steps=120", "checkpoint.interval_steps=10",
+            "parallel.dp=1", "train.micro_batch=8", f'run.dir="{run}"', "health.restart_backoff_initial_s=0.2",
+            "health.loss_spike_warmup_steps=30", "health.loss_spike_window_steps=20"]
+    proc = subprocess.Popen([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=tmp_path, env=quiet_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    incidents = lambda: [e for e in daemon_events(run) if e["event"] == "incident"]
+    try:
+        wait_for(lambda: len(_rank_steps(run)) >= 45, what="step 45")
+        for path in shards:                         # in place, the same size: only the loss can tell
+            with open(path, "r+b") as f:
+                f.write(bytes(len(originals[path])))
+        zeroed_after = max(e["step"] for e in _rank_steps(run))
+        wait_for(incidents, 200, "the collapse to be detected")
+        for path, data in originals.items():        # the operator restores the corpus
+            path.write_bytes(data)
+        out, err = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    found = incidents()
+    assert len(found) == 1 and found[0]["kind"] in ("loss_spike", "loss_collapse"), [e["kind"] for e in found]
+    action = found[0]["action"]
+    assert found[0]["first_step"] > zeroed_after - 2 and action["type"] == "rollback"
+    assert action["checkpoint_step"] <= zeroed_after
+    final = [e for e in _rank_steps(run) if e["generation"] == max(x["generation"] for x in _rank_steps(run))]
+    assert final[-1]["step"] == 120 and min(e["loss"] for e in final[-10:]) > 1.0     # trained on real text again
+    assert RunState.load(run).status == "finished"
