@@ -276,7 +276,7 @@ def _control_dir(run: str, *, queue: bool = False):
 
     run_dir = resolve_run_dir(run)
     nodes = node_dirs(run_dir)
-    here = [d for d in nodes if holder(d) is not None and _local_pid(holder(d))]
+    here = [d for d in nodes if _local_pid(holder(d))]
     control_dir = (here or nodes or [run_dir])[0] / "control"
     if not control_dir.is_dir():
         raise RunNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
