@@ -53,8 +53,8 @@ def main() -> None:
         waits = [e.data_wait_s for e in events]
 
         started = time.perf_counter()
-        n = sum(1 for _ in feed(trainer.source, cursor=0, steps=args.pipeline_steps, rank=0, dp=1,
-                                global_batch=cfg.train.global_batch, grad_accum_steps=1,
+        n = sum(1 for _ in feed(trainer.source, cursor=0, steps=args.pipeline_steps,
+                                share=lambda indices: indices.reshape(1, -1), global_batch=cfg.train.global_batch,
                                 prefetch_steps=cfg.data.prefetch_steps))
         pipeline_tps = n * tokens_per_step / (time.perf_counter() - started)
 

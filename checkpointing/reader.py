@@ -83,13 +83,16 @@ def verify(path: Path) -> list[str]:
     return problems
 
 
-def load_tensors(path: Path, manifest: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
-    """All tensors of a (verified) checkpoint, by name."""
+def load_tensors(path: Path, manifest: dict[str, Any] | None = None, *,
+                 shard: str | None = None) -> dict[str, np.ndarray]:
+    """All tensors of a (verified) checkpoint, by name; `shard`: only those of that shard file."""
     manifest = manifest or read_manifest(path)
     out: dict[str, np.ndarray] = {}
-    for shard in manifest["shards"]:
-        out.update(load_file(path / shard["file"]))
-    missing = set(manifest["tensors"]) - set(out)
+    for entry in manifest["shards"]:
+        if shard is None or entry["file"] == shard:
+            out.update(load_file(path / entry["file"]))
+    wanted = {n for n, meta in manifest["tensors"].items() if shard is None or meta["shard"] == shard}
+    missing = wanted - set(out)
     if missing:
         raise CheckpointError(f"{path}: tensors missing from the shards: {sorted(missing)[:5]}")
     return out

@@ -7,8 +7,12 @@ which rank writes which (a size-balanced split every rank computes alike), the
 manifest's run state (the trainer's own — step, data cursor and epoch, skip
 ranges, lr overrides, from its `run_state()` — plus what this adapter adds:
 format version, config hash and trajectory, seeds, world size, metrics at
-save), restoring all of it — into any data-parallel world size, since every
-rank loads every tensor — and, when asked to, retention after each commit.
+save, the parallel layout), restoring all of it — into any data-parallel world
+size, since every rank loads every tensor — and, when asked to, retention after
+each commit. Under semi-auto parallel (engine.parallel) each rank holds slices:
+it saves all of its own, named `rank<r>/<name>`, and loads them back only into
+the same layout, after the step has been compiled (which slices the
+parameters); whole tensors load into any layout before that compile.
 It never touches the trainer itself: it is handed its parameters and its
 run_state/load_run_state pair.
 """
@@ -29,6 +33,7 @@ from checkpointing import layout, partition, reader, retention
 from checkpointing.writer import ShardWriter
 from daemon.protocol import CheckpointEvent
 from engine.resume_check import changed_keys
+from engine import parallel
 from engine.config import Config, ConfigError, config_hash, trajectory_dict
 
 RUN_STATE_VERSION = 1
@@ -63,8 +68,9 @@ class TrainerCheckpoints:
         self._run_state, self._load_run_state = run_state, load_run_state
         self._emit_event = emit
         self.params = list(params)
+        self.sliced = parallel.mode(cfg) == parallel.SEMI_AUTO
         sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
-        self.plan = partition.assign(sizes, self.world)
+        self.plan = {n: self.rank for n in sizes} if self.sliced else partition.assign(sizes, self.world)
         self._staging: dict[str, np.ndarray] = {}
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
@@ -90,7 +96,8 @@ class TrainerCheckpoints:
         return {"version": RUN_STATE_VERSION, **trainer_state,
                 "config_hash": config_hash(self.cfg), "trajectory": trajectory_dict(self.cfg),
                 "seeds": {"train": self.cfg.train.seed, "data": self.cfg.data.seed},
-                "dp_world_size": self.world, "metrics": metrics}
+                "dp_world_size": self.world, "parallel_layout": parallel.checkpoint_layout(self.cfg),
+                "metrics": metrics}
 
     def save(self, metrics: dict[str, float]) -> None:
         """Copies this rank's share to host memory (the only blocking part) and hands it to the writer.
@@ -109,10 +116,11 @@ class TrainerCheckpoints:
         mine = self._staging
         for p in self.params:
             if self.plan[p.name] == self.rank:
-                view = p.asnumpy()
-                if p.name not in mine:
-                    mine[p.name] = np.empty_like(view)
-                np.copyto(mine[p.name], view)
+                view = p.asnumpy()                     # under semi-auto: this rank's slice
+                name = f"rank{self.rank}/{p.name}" if self.sliced else p.name
+                if name not in mine:
+                    mine[name] = np.empty_like(view)
+                np.copyto(mine[name], view)
         versions = {"llm_pretrain": "0.1.0", "mindspore": ms.__version__, "numpy": np.__version__,
                     "safetensors": safetensors.__version__, "python": platform.python_version()}
         self.writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
@@ -143,9 +151,11 @@ class TrainerCheckpoints:
         return self.writer.last_error is None
 
     # Restoring ---------------------------------------------------------------
-    def restore_latest(self, *, allow_config_change: bool = False) -> dict[str, Any] | None:
+    def restore_latest(self, *, allow_config_change: bool = False,
+                       before_slices: Callable[[], None] | None = None) -> dict[str, Any] | None:
         """Loads the newest verified checkpoint into the parameters and (load_run_state) the trainer;
-        returns its run state, or None if there is none."""
+        returns its run state, or None if there is none. `before_slices` runs before a sliced
+        checkpoint loads (it compiles the step, which slices the parameters)."""
         if self.rank == 0:
             for name in layout.remove_temporaries(self.root):
                 self._emit("removed", step=layout.parse_step(name.removesuffix(".tmp")) or 0,
@@ -165,8 +175,19 @@ class TrainerCheckpoints:
             raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings "
                               f"({', '.join(changed) or 'config hash differs'}); restore the config or pass "
                               "--allow-config-change to resume anyway")
-        set_parameters(self.params, reader.load_tensors(path, manifest), source=str(path),
-                       error=checkpointing.CheckpointError)
+        saved_layout = state.get("parallel_layout")
+        refusal = parallel.resume_refusal(saved_layout, self.cfg)
+        if refusal:
+            raise ConfigError(f"checkpoint {path} cannot be resumed: {refusal}")
+        if saved_layout and saved_layout.get("sliced"):
+            if before_slices is not None:
+                before_slices()
+            prefix = f"rank{self.rank}/"
+            mine = reader.load_tensors(path, manifest, shard=layout.shard_name(self.rank, manifest["world_size"]))
+            tensors = {n.removeprefix(prefix): a for n, a in mine.items() if n.startswith(prefix)}
+        else:
+            tensors = reader.load_tensors(path, manifest)
+        set_parameters(self.params, tensors, source=str(path), error=checkpointing.CheckpointError)
         self._load_run_state(state)
         self._emit("restored", step=state["step"], seconds=time.monotonic() - started, detail=str(path))
         return state

@@ -189,12 +189,16 @@ class ParallelConfig:
     tp: int = 1                    # tensor-parallel ranks (Ascend)
     pp: int = 1                    # pipeline stages (Ascend)
     pipeline_microbatches: int = 1  # micro-batches in flight through the pipeline (Ascend, pp > 1)
-    optimizer_shard: bool = False  # shard optimizer state across dp (Ascend)
-    sequence_parallel: bool = False  # shard norms/dropout activations along the sequence (Ascend, tp > 1)
+    optimizer_shard: bool = False  # shard the fp32 weights and optimizer states across dp (Ascend)
+    sp: bool = False               # sequence parallel: norms and element-wise ops split along the sequence
+                                   # inside each tensor-parallel group (Ascend, tp > 1; MindFormers' use_seq_parallel)
+    device_memory_gib: float = 64.0  # memory of one device (Ascend); `run` refuses a layout the estimate
+                                     # (`llm-pretrain plan`) says cannot fit
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "pipeline_microbatches"):
             _at_least(f"parallel.{key}", getattr(self, key), 1)
+        _in_range("parallel.device_memory_gib", self.device_memory_gib, 0.0, 1e6, open_low=True)
 
     @property
     def world_size(self) -> int:
@@ -455,7 +459,7 @@ def _check_cross_section(cfg: Config) -> None:
     if t.device == "cpu":
         for key, value, neutral in (("tp", p.tp, 1), ("pp", p.pp, 1),
                                     ("optimizer_shard", p.optimizer_shard, False),
-                                    ("sequence_parallel", p.sequence_parallel, False)):
+                                    ("sp", p.sp, False)):
             if value != neutral:
                 _fail(f"parallel.{key} = {_toml(value)} needs train.device = \"ascend\"; on \"cpu\" only "
                       f"data parallel runs (set parallel.{key} = {_toml(neutral)})")
@@ -467,11 +471,18 @@ def _check_cross_section(cfg: Config) -> None:
         for key in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
             if getattr(m, key) % p.tp:
                 _fail(f"model.{key} = {getattr(m, key)} must be divisible by parallel.tp = {p.tp}")
-    if p.sequence_parallel and p.tp == 1:
-        _fail("parallel.sequence_parallel = true needs parallel.tp > 1")
+    if p.sp:
+        if p.tp == 1:
+            _fail("parallel.sp = true needs parallel.tp > 1 (it splits the sequence inside a tensor-parallel group)")
+        if cfg.data.seq_len % p.tp:
+            _fail(f"data.seq_len = {cfg.data.seq_len} must be divisible by parallel.tp = {p.tp} with parallel.sp = true")
     if p.pp > 1:
-        if m.num_layers < p.pp:
-            _fail(f"parallel.pp = {p.pp} exceeds model.num_layers = {m.num_layers}; each stage needs a layer")
+        if m.num_layers % p.pp:
+            _fail(f"model.num_layers = {m.num_layers} must be divisible by parallel.pp = {p.pp} "
+                  "(every pipeline stage holds the same number of layers)")
+        if m.tie_embeddings:
+            _fail("model.tie_embeddings = true is not supported with parallel.pp > 1 (the first and last "
+                  "stages would share the embedding); untie it or set parallel.pp = 1")
         if p.pipeline_microbatches < p.pp:
             _fail(f"parallel.pipeline_microbatches = {p.pipeline_microbatches} must be >= parallel.pp = {p.pp} "
                   "or the pipeline never fills")
@@ -480,6 +491,20 @@ def _check_cross_section(cfg: Config) -> None:
                   f"{p.pipeline_microbatches}")
     elif p.pipeline_microbatches != 1:
         _fail(f"parallel.pipeline_microbatches = {p.pipeline_microbatches} needs parallel.pp > 1 (or set it to 1)")
+    if t.device == "ascend":
+        _check_fits(cfg)
+
+
+def _check_fits(cfg: Config) -> None:
+    """An Ascend layout the memory estimate says cannot fit is refused before any cluster time."""
+    from engine import memory_model        # it reads Config: imported when the module is complete
+
+    worst = memory_model.peak(memory_model.estimate(cfg))
+    have = cfg.parallel.device_memory_gib * memory_model.GIB
+    if worst.total > have:
+        _fail(f"this layout needs about {worst.total / memory_model.GIB:.1f} GiB per device (pipeline stage "
+              f"{worst.stage}) but parallel.device_memory_gib = {cfg.parallel.device_memory_gib:g}; "
+              "`llm-pretrain plan --config FILE --devices N` lists layouts that fit")
 
 
 def _toml(value: Any) -> str:
@@ -565,6 +590,11 @@ def parse_override(text: str) -> tuple[str, str, Any]:
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: typing.Sequence[str] = ()) -> Config:
     """Loads a TOML file (None = the embedded tiny defaults), applies overrides, validates everything."""
+    return config_from_dict(read_config_data(path, overrides))
+
+
+def read_config_data(path: str | os.PathLike[str] | None = None, overrides: typing.Sequence[str] = ()) -> dict:
+    """The TOML file's tables with the overrides applied, not yet validated."""
     data: dict[str, Any] = {}
     if path is not None:
         try:
@@ -586,7 +616,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: typing.Se
         if not isinstance(table, dict):
             _fail(f"[{section}] must be a table, not {_toml(table)}")
         table[key] = value
-    return config_from_dict(data)
+    return data
 
 
 # Keys that may change between a checkpoint and its resumption without changing the

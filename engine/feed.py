@@ -11,7 +11,7 @@ for it (MindSpore's pipeline would wrap the error into a RuntimeError).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import mindspore.dataset as msds
 import numpy as np
@@ -31,10 +31,10 @@ class FedStep:
 class _RankBatches:
     """The generator MindSpore's pipeline pulls from: `steps` consecutive steps from `cursor`."""
 
-    def __init__(self, source, *, cursor: int, steps: int, rank: int, dp: int, global_batch: int,
-                 grad_accum_steps: int, skips: Sequence[tuple[int, int]]):
+    def __init__(self, source, *, cursor: int, steps: int, share: Callable[[np.ndarray], np.ndarray],
+                 global_batch: int, skips: Sequence[tuple[int, int]]):
         self.source, self.cursor, self.steps = source, cursor, steps
-        self.rank, self.dp, self.global_batch, self.accum = rank, dp, global_batch, grad_accum_steps
+        self.share, self.global_batch = share, global_batch
         self.skips = data.merge_ranges(skips)
         self.error: DataError | None = None      # set, with a flagged empty batch, when a batch fails
 
@@ -44,7 +44,7 @@ class _RankBatches:
             try:
                 samples = data.step_samples(cursor, global_batch=self.global_batch, skips=self.skips,
                                             excluded=self.source.excluded)
-                mine = data.rank_slice(samples.indices, self.rank, dp=self.dp, grad_accum_steps=self.accum)
+                mine = self.share(samples.indices)
                 batch = self.source.batch(mine)
             except DataError as e:
                 self.error = e
@@ -55,14 +55,15 @@ class _RankBatches:
             yield batch, np.array([start, end, cursor, 0], dtype=np.int64)
 
 
-def feed(source, *, cursor: int, steps: int, rank: int, dp: int, global_batch: int, grad_accum_steps: int,
+def feed(source, *, cursor: int, steps: int, share: Callable[[np.ndarray], np.ndarray], global_batch: int,
          skips: Sequence[tuple[int, int]] = (), prefetch_steps: int = 4) -> Iterator[FedStep]:
-    """Yields `steps` FedSteps; batches are produced in MindSpore's pipeline threads, ahead of use."""
+    """Yields `steps` FedSteps; batches are produced in MindSpore's pipeline threads, ahead of use.
+    `share`: a step's global sample indices → the (grad_accum_steps, rows) this rank feeds
+    (engine.parallel.rank_batch)."""
     if steps <= 0:
         return
     msds.config.set_prefetch_size(prefetch_steps)
-    plan = _RankBatches(source, cursor=cursor, steps=steps, rank=rank, dp=dp, global_batch=global_batch,
-                        grad_accum_steps=grad_accum_steps, skips=skips)
+    plan = _RankBatches(source, cursor=cursor, steps=steps, share=share, global_batch=global_batch, skips=skips)
     dataset = msds.GeneratorDataset(plan, column_names=["tokens", "position"], shuffle=False,
                                     num_parallel_workers=1, python_multiprocessing=False)
     for tokens, position in dataset.create_tuple_iterator(num_epochs=1, output_numpy=True, do_copy=False):

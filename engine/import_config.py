@@ -65,7 +65,7 @@ def convert(doc: dict[str, Any]) -> tuple[Config, list[str]]:
            "tp": int(get(parallel_doc, "parallel_config", "model_parallel", 1)),
            "pp": int(get(parallel_doc, "parallel_config", "pipeline_stage", 1)),
            "pipeline_microbatches": int(get(parallel_doc, "parallel_config", "micro_batch_num", 1)),
-           "sequence_parallel": bool(get(parallel_doc, "parallel_config", "use_seq_parallel", False)),
+           "sp": bool(get(parallel_doc, "parallel_config", "use_seq_parallel", False)),
            "optimizer_shard": bool(get(doc.get("parallel") or {}, "parallel", "enable_parallel_optimizer", False))}
     if par["pp"] == 1:
         par["pipeline_microbatches"] = 1

@@ -66,9 +66,11 @@ class RMSNorm(nn.Cell):
         self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
         self.eps = eps
 
+        self.mul = ops.Mul()                 # x * weight: split along the tokens under sequence parallelism
+
     def construct(self, x):
         x = x.astype(ms.float32)
-        return x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps) * self.weight
+        return self.mul(x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps), self.weight)
 
 
 class LayerNorm(nn.Cell):
@@ -114,6 +116,8 @@ class Attention(nn.Cell):
         self.rotary = rotary
         self.scale = 1.0 / math.sqrt(d)
         self.compute_dtype = compute_dtype
+        # primitives, not functions, so semi-auto parallel can split them by heads (engine/sharding.py)
+        self.qk, self.pv, self.softmax = ops.BatchMatMul(), ops.BatchMatMul(), ops.Softmax(-1)
 
     def _heads(self, x, n):
         b, t, _ = x.shape
@@ -133,10 +137,10 @@ class Attention(nn.Cell):
         # repeat_kv does, so fold each group's rep query heads into the row axis.
         cd = self.compute_dtype
         q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
-        scores = ops.matmul(q.astype(cd), k.astype(cd).transpose(0, 1, 3, 2)).astype(ms.float32)
+        scores = self.qk(q.astype(cd), k.astype(cd).transpose(0, 1, 3, 2)).astype(ms.float32)
         scores = scores.reshape(b, kv, rep, t, t) * self.scale + mask          # (B, kv, rep, T, T)
-        probs = ops.softmax(scores, -1).reshape(b, kv, rep * t, t)
-        out = ops.matmul(probs.astype(cd), v.astype(cd))                       # (B, kv, rep*T, d)
+        probs = self.softmax(scores).reshape(b, kv, rep * t, t)
+        out = self.pv(probs.astype(cd), v.astype(cd))                         # (B, kv, rep*T, d)
         out = out.reshape(b, self.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * d)
         return self.o_proj(out).astype(ms.float32)
 
@@ -176,10 +180,23 @@ class DecoderLayer(nn.Cell):
         self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = (SwiGLU if llama else GeluMLP)(cfg, init, out_std, compute_dtype)
+        self.add_attn, self.add_mlp = ops.Add(), ops.Add()     # the residuals (split like the norms)
 
     def construct(self, x, cos, sin, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = self.add_attn(x, self.self_attn(self.input_layernorm(x), cos, sin, mask))
+        return self.add_mlp(x, self.mlp(self.post_attention_layernorm(x)))
+
+
+class Embedding(nn.Cell):
+    """A lookup table as its own cell (`weight`), so a pipeline can place it and tp can split its rows."""
+
+    def __init__(self, table: Tensor):
+        super().__init__()
+        self.weight = Parameter(table, name="weight")
+        self.gather = ops.Gather()
+
+    def construct(self, ids):
+        return self.gather(self.weight, ids, 0)
 
 
 class DecoderModel(nn.Cell):
@@ -187,8 +204,8 @@ class DecoderModel(nn.Cell):
 
     def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype):
         super().__init__()
-        self.embed_tokens = Parameter(init.normal((cfg.vocab_size, cfg.hidden_size)), name="weight")
-        self.embed_positions = (Parameter(init.normal((cfg.max_seq_len, cfg.hidden_size)), name="weight")
+        self.embed_tokens = Embedding(init.normal((cfg.vocab_size, cfg.hidden_size)))
+        self.embed_positions = (Embedding(init.normal((cfg.max_seq_len, cfg.hidden_size)))
                                 if cfg.arch == "gpt2" else None)
         self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype) for _ in range(cfg.num_layers)])
         self.norm = (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.hidden_size, cfg.norm_eps)
@@ -199,9 +216,9 @@ class DecoderModel(nn.Cell):
 
     def construct(self, tokens):
         t = tokens.shape[1]
-        x = ops.gather(self.embed_tokens, tokens, 0)                          # (B, T, hidden)
+        x = self.embed_tokens(tokens)                                         # (B, T, hidden)
         if self.embed_positions is not None:
-            x = x + self.embed_positions[:t]
+            x = x + self.embed_positions.weight[:t]
         cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
@@ -222,15 +239,11 @@ class CausalLM(nn.Cell):
                                                               compute_dtype=dtype)
         self.compute_dtype = dtype
         self.tied_matmul = ops.MatMul(transpose_b=True)
+        self.loss = NextTokenLoss()
         # Recompute (activation checkpointing) per layer, from the first: the backward
         # pass reruns these layers' forward instead of keeping their activations.
         for layer in list(self.model.layers)[:recompute_layers]:
             layer.recompute()
-        # Hugging Face names the embedding `model.embed_tokens.weight`; a bare Parameter
-        # attribute would be `model.embed_tokens`, so name them explicitly.
-        self.model.embed_tokens.name = "model.embed_tokens.weight"
-        if self.model.embed_positions is not None:
-            self.model.embed_positions.name = "model.embed_positions.weight"
 
     def logits(self, tokens):
         h = self.model(tokens)                                                # (B, T, hidden)
@@ -238,13 +251,42 @@ class CausalLM(nn.Cell):
             return self.lm_head(h).astype(ms.float32)
         b, t, d = h.shape
         out = self.tied_matmul(h.reshape(b * t, d).astype(self.compute_dtype),
-                               self.model.embed_tokens.astype(self.compute_dtype))
+                               self.model.embed_tokens.weight.astype(self.compute_dtype))
         return out.reshape(b, t, -1).astype(ms.float32)                       # (B, T, vocab)
 
     def construct(self, tokens, targets):
-        logits = self.logits(tokens)
+        return self.loss(self.logits(tokens), targets)
+
+
+class NextTokenLoss(nn.Cell):
+    """Mean cross-entropy of (B, T, vocab) logits against (B, T) targets: a cell of its own, so a
+    pipeline places it on the last stage, beside the head."""
+
+    def construct(self, logits, targets):
         vocab = logits.shape[-1]
         return ops.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
+
+
+class PipelinedCausalLM(CausalLM):
+    """CausalLM for pipeline parallelism: `lazy_inline` on the outermost cell's __init__, as MindSpore
+    documents for pipelines and gradient accumulation (each micro-batch reuses one compiled subgraph
+    instead of inlining the network once per micro-batch). Ascend only; the CPU never builds it
+    except in tests."""
+
+    @ms.lazy_inline
+    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0):
+        super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers)
+
+
+def build_model(config) -> CausalLM:
+    """The network of a run's Config, with its parallel strategies and pipeline stages applied."""
+    from engine import sharding
+
+    cls = PipelinedCausalLM if config.parallel.pp > 1 else CausalLM
+    net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
+              recompute_layers=config.recompute_layers)
+    sharding.apply_to_model(net, config)
+    return net
 
 
 def parameter_count(net: nn.Cell) -> int:

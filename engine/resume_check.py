@@ -1,12 +1,13 @@
 """Before anything is spawned: will this config resume the run's newest checkpoint, and on what schedule?
 
-Owns two rules of resuming, read from the newest checkpoint that looks complete (its manifest is
+Owns the rules of resuming, read from the newest checkpoint that looks complete (its manifest is
 JSON; no tensors are read, no MindSpore):
 - training longer: `train.steps` alone never changes the trajectory. With `optim.cosine_steps = 0`
   ("decay until train.steps") the run keeps the schedule its checkpoints were trained on, as
   Megatron keeps `--lr-decay-iters` when `--train-iters` grows: raising train.steps trains on at
   `optim.min_lr` past the old end, and no step already trained changes its lr. A new decay length
   is a trajectory change: set `optim.cosine_steps` and pass --allow-config-change to `train`.
+- a checkpoint saved in slices (semi-auto parallel) resumes only onto the layout that cut them;
 - any other trajectory-defining difference is refused here, in one line naming the keys, instead
   of inside a rank after the cluster formed.
 """
@@ -17,6 +18,7 @@ from typing import Any
 
 from checkpointing import CheckpointError, layout, reader
 from engine.config import Config, ConfigError, config_hash, trajectory_dict, with_changes
+from engine.parallel import resume_refusal
 
 
 def newest_run_state(ckpt_root: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -57,6 +59,9 @@ def check_resume(cfg: Config, ckpt_root: Path, *, allow_config_change: bool = Fa
     if found is None:
         return cfg, None
     path, state = found
+    refusal = resume_refusal(state.get("parallel_layout"), cfg)
+    if refusal:
+        raise ConfigError(f"checkpoint {path} cannot be resumed: {refusal}")
     cfg, note = keep_schedule(cfg, state.get("trajectory") or {})
     if allow_config_change or state.get("config_hash") == config_hash(cfg):
         return cfg, note

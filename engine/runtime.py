@@ -25,8 +25,9 @@ class RankInfo:
 
 
 def is_cluster_member(env: Mapping[str, str] = os.environ) -> bool:
-    """True when started as a rank of MindSpore's dynamic cluster (by our supervisor or msrun)."""
-    return env.get("MS_ROLE") == "MS_WORKER"
+    """True when started as a rank of MindSpore's dynamic cluster (by our supervisor or msrun), or as
+    one simulated rank of a dry run (MS_SIMULATION_LEVEL with RANK_SIZE and RANK_ID: `plan --dry-run`)."""
+    return env.get("MS_ROLE") == "MS_WORKER" or bool(env.get("MS_SIMULATION_LEVEL") and env.get("RANK_SIZE"))
 
 
 def compute_threads(cfg: Config, local_world_size: int) -> int:
@@ -64,5 +65,7 @@ def setup(cfg: Config, env: Mapping[str, str] = os.environ) -> RankInfo:
     if world != cfg.parallel.world_size:
         raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} but the cluster has {world} ranks "
                           "(MS_WORKER_NUM); they must match")
-    ms.set_auto_parallel_context(**parallel.parallel_context(cfg))
+    if parallel.mode(cfg) == parallel.DATA_PARALLEL:
+        ms.set_auto_parallel_context(**parallel.parallel_context(cfg))
+    # semi-auto parallel is configured on the compiled step's AutoParallel wrapper (engine/sharded_step.py)
     return RankInfo(rank=rank, world_size=world, local_world_size=local_world)

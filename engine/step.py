@@ -22,10 +22,12 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from engine import parallel
 from engine.config import Config
 from engine.loss_scale import LossScaler
 from engine.model import CausalLM
 from engine.optim import AdamW
+from engine.parallel import Reduction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +41,10 @@ class StepResult:
 
 
 class TrainStep(nn.Cell):
-    def __init__(self, net: CausalLM, cfg: Config, *, dp: int = 1):
+    """DATA_PARALLEL (and one rank): every rank holds the whole model; the step reduces gradients itself.
+    Semi-auto parallel layouts use engine.sharded_step instead (engine.parallel.reduction says which)."""
+
+    def __init__(self, net: CausalLM, cfg: Config, *, reduction: Reduction | None = None):
         # auto_prefix=False keeps the model's parameter names (Hugging Face's) unprefixed.
         super().__init__(auto_prefix=False)
         self.net = net
@@ -48,8 +53,11 @@ class TrainStep(nn.Cell):
         self.scaler = LossScaler(cfg.train)
         self.accum_steps = cfg.train.grad_accum_steps
         self.grad_clip = cfg.optim.grad_clip
-        self.dp = dp
-        self.all_reduce = ops.AllReduce() if dp > 1 else None
+        reduction = reduction or parallel.reduction(cfg)
+        if reduction.scalars_all_reduce:
+            raise ValueError("TrainStep reduces gradients by hand; a semi-auto layout needs engine.sharded_step")
+        self.dp = reduction.divide_by
+        self.all_reduce = ops.AllReduce() if reduction.hand_all_reduce else None
         # Control flags ride along with the step's own collectives: every rank learns,
         # after the same step, what any rank asked for (a stop signal, a command).
         # Summed, because CPU AllReduce does only sums: a flag set anywhere sums to > 0.
@@ -142,6 +150,19 @@ class TrainStep(nn.Cell):
                           skipped=bool(skipped), control=tuple(int(v) for v in agreed),
                           sync_s=time.perf_counter() - synced)
 
+    def compile(self, micro_batches: np.ndarray) -> None:
+        """Nothing to do ahead: the first step compiles, and whole tensors load before it."""
+
     def state(self) -> list[Parameter]:
         """Everything a checkpoint must hold besides the model's parameters."""
         return [*self.optimizer.state(), *self.scaler.state()]
+
+
+def build_step(net: CausalLM, cfg: Config, *, rank: int = 0):
+    """The step for the config's parallel mode: the hand-reduced TrainStep under DATA_PARALLEL, the
+    framework-reduced ShardedTrainStep under semi-auto parallel."""
+    if parallel.mode(cfg) == parallel.SEMI_AUTO:
+        from engine.sharded_step import ShardedTrainStep
+
+        return ShardedTrainStep(net, cfg, rank=rank, run_dir=cfg.run.resolved_dir())
+    return TrainStep(net, cfg, reduction=parallel.reduction(cfg))

@@ -35,16 +35,13 @@ class Trainer:
     def __init__(self, cfg: Config, rank_info: runtime.RankInfo, *, generation: int = 0,
                  overrides: Sequence[schedule.LrOverride] = (),
                  source: data.CorpusSource | data.SyntheticSource | None = None):
-        from engine import parallel
-        from engine.model import CausalLM
-        from engine.step import TrainStep
+        from engine.model import build_model
+        from engine.step import build_step
 
         self.cfg, self.rank_info, self.generation = cfg, rank_info, generation
         self.overrides = list(overrides)
-        self.net = CausalLM(cfg.model, seed=cfg.train.seed, compute_dtype=cfg.train.precision,
-                            recompute_layers=cfg.recompute_layers)
-        parallel.apply_to_model(self.net, cfg)
-        self.step_fn = TrainStep(self.net, cfg, dp=cfg.parallel.dp)
+        self.net = build_model(cfg)
+        self.step_fn = build_step(self.net, cfg, rank=rank_info.rank)
         self.source = source if source is not None else data.open_source(cfg)
         self.skips: list[tuple[int, int]] = []   # global sample ranges never trained on (set_skips)
         self.step = 0                      # optimizer steps completed
@@ -52,6 +49,14 @@ class Trainer:
         self._fed: Iterator[FedStep] | None = None
         self._last_end: float | None = None     # when the previous step ended (host time since: host_s)
         self.agreed_control: tuple[int, ...] = ()
+
+    def compile_step(self) -> None:
+        """Compiles the step without running it (under semi-auto parallel this slices the parameters)."""
+        from engine.parallel import rank_batch
+
+        t = self.cfg.train
+        rows = rank_batch(np.arange(t.global_batch), self.rank_info.rank, self.cfg).shape[1]
+        self.step_fn.compile(np.zeros((t.grad_accum_steps, rows, self.cfg.data.seq_len + 1), np.int32))
 
     def lr(self, step: int) -> tuple[float, float]:
         o = self.cfg.optim
@@ -95,10 +100,12 @@ class Trainer:
         t = self.cfg.train
         started = time.perf_counter()
         if self._fed is None:
-            self._fed = feed(self.source, cursor=self.cursor, steps=t.steps - self.step, rank=self.rank_info.rank,
-                             dp=self.cfg.parallel.dp, global_batch=t.global_batch,
-                             grad_accum_steps=t.grad_accum_steps, skips=self.skips,
-                             prefetch_steps=self.cfg.data.prefetch_steps)
+            from engine.parallel import rank_batch
+
+            rank = self.rank_info.rank
+            self._fed = feed(self.source, cursor=self.cursor, steps=t.steps - self.step,
+                             share=lambda indices: rank_batch(indices, rank, self.cfg), global_batch=t.global_batch,
+                             skips=self.skips, prefetch_steps=self.cfg.data.prefetch_steps)
         fed = next(self._fed, None)
         if fed is None:
             raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
@@ -198,7 +205,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
                               run_state=trainer.run_state, load_run_state=trainer.load_run_state,
                               rank=rank_info.rank, world=rank_info.world_size, generation=generation,
                               emit=sink.emit, retain=retain)
-    restored = ckpt.restore_latest(allow_config_change=allow_config_change)
+    restored = ckpt.restore_latest(allow_config_change=allow_config_change, before_slices=trainer.compile_step)
     if restored is None and cfg.model.init_from:
         count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
         print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr, flush=True)

@@ -195,7 +195,7 @@ def test_the_trainers_state_round_trips_through_a_checkpoint_and_retention_is_op
     saved = reader.read_manifest(layout.step_dir(root, 3))["run_state"]
     assert sorted(saved) == sorted(["version", "step", "data_cursor", "data_epoch", "skip_ranges", "lr_overrides",
                                     "quarantined_blocks", "config_hash", "trajectory", "seeds", "dp_world_size",
-                                    "metrics"])
+                                    "parallel_layout", "metrics"])
     assert saved["skip_ranges"] == [[40, 48]] and saved["step"] == 3
 
     b = make_trainer("checkpoint.keep_last=1")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from engine.corpus import Corpus
-from engine.data import CorpusSource
+from engine.data import CorpusSource, rank_slice
 from engine.feed import feed
 
 
@@ -16,8 +16,9 @@ def source(stdlib_corpus):
 
 
 def _batches(source, *, steps, cursor=0, rank=0, dp=1, accum=1, global_batch=8, skips=()):
-    return list(feed(source, cursor=cursor, steps=steps, rank=rank, dp=dp, global_batch=global_batch,
-                     grad_accum_steps=accum, skips=skips, prefetch_steps=2))
+    share = lambda indices: rank_slice(indices, rank, dp=dp, grad_accum_steps=accum)
+    return list(feed(source, cursor=cursor, steps=steps, share=share, global_batch=global_batch, skips=skips,
+                     prefetch_steps=2))
 
 
 def test_resuming_at_any_cursor_yields_the_same_batches(mindspore_cpu, source):

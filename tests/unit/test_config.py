@@ -92,7 +92,7 @@ def test_bad_config_names_key_and_allowed_values(overrides, words):
 
 def test_ascend_accepts_what_cpu_refuses():
     cfg = load_config(None, ['train.device="ascend"', 'train.precision="bf16"', "parallel.tp=2",
-                             "parallel.dp=1", "parallel.sequence_parallel=true"])
+                             "parallel.dp=1", "parallel.sp=true"])
     assert cfg.parallel.world_size == 2
 
 
