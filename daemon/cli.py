@@ -27,7 +27,8 @@ _EXIT_MEANINGS = {
     ExitCode.GAVE_UP_NUMERICS: "gave up: numerical incidents beyond the policy's limits",
     ExitCode.LOCKED: "another daemon holds this run's lock",
     ExitCode.DATA_ERROR: "bad data (or too much of the corpus corrupt), a bad checkpoint, a corrupt state.json",
-    ExitCode.NO_DAEMON: "a request (pause, stop, inject, …) for a run no daemon is running (--queue leaves it)",
+    ExitCode.NO_DAEMON: "a request (pause, stop, inject, …) for a run no daemon is running (--queue leaves it); "
+                        "plan --dry-run without the Ascend toolkit",
     ExitCode.INTERNAL_ERROR: "internal error (systemd restarts the service)",
     ExitCode.CANT_CREATE: "an output cannot be created (permissions, a read-only or virtual filesystem)",
     ExitCode.TEMP_FAIL: "multi-node: etcd (run.coordinator) unreachable (systemd restarts the service)",
@@ -181,6 +182,18 @@ def _add_tools(sub) -> None:
     svc.add_argument("--tmpfiles-dest", default="/etc/tmpfiles.d", help="where the tmpfiles.d entry goes")
     svc.add_argument("--etc", default="/etc/llm-pretrain", help="configs and the Ascend EnvironmentFile")
 
+    plan = sub.add_parser("plan", help="check a dp x tp x pp layout's rules and per-device memory; propose layouts "
+                                       "that fit N devices (--dry-run: MindSpore's own compile, on an Ascend host)")
+    _add_config_args(plan)
+    plan.add_argument("--devices", type=int, required=True, metavar="N", help="devices (NPUs) in the whole run")
+    plan.add_argument("--device-memory-gib", type=float, metavar="G",
+                      help="memory of one device (default: the config's parallel.device_memory_gib)")
+    plan.add_argument("--devices-per-node", type=int, default=8, metavar="K",
+                      help="devices per machine (tensor parallelism stays within one; default 8)")
+    plan.add_argument("--dry-run", action="store_true",
+                      help="also compile each pipeline stage with MindSpore's simulation (MS_SIMULATION_LEVEL) and "
+                           "print the compiler's peak memory next to the estimate; needs the Ascend toolkit")
+
     show = sub.add_parser("config", help="validate a config and print it resolved (TOML, a file `--config` "
                                          "reads back), with its trajectory hash")
     _add_config_args(show)
@@ -204,6 +217,33 @@ def _cmd_config(args: argparse.Namespace) -> int:
         print(json.dumps({"config": cfg.to_dict(), "config_hash": config_hash(cfg)}, indent=2))
     else:
         print(to_toml(cfg, [f"resolved by `llm-pretrain config`; trajectory hash {config_hash(cfg)}"]), end="")
+    return ExitCode.OK
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from engine import plan
+
+    if args.devices < 1 or args.devices_per_node < 1:
+        raise ConfigError(f"--devices = {args.devices} and --devices-per-node = {args.devices_per_node} must be >= 1")
+    if args.device_memory_gib is not None and args.device_memory_gib <= 0:
+        raise ConfigError(f"--device-memory-gib = {args.device_memory_gib:g} must be > 0")
+    cfg, layout, problem = plan.planned(args.config, args.overrides)
+    memory = args.device_memory_gib or cfg.parallel.device_memory_gib
+    hw = plan.Hardware(memory_gib=memory, devices_per_node=args.devices_per_node)
+    lines, verdict = plan.report(cfg, args.devices, hw, layout=layout)
+    print("\n".join(lines))
+    if args.dry_run:
+        from engine import dry_run
+
+        try:
+            dry_run.run(args.config, args.overrides, cfg, layout)
+        except dry_run.DryRunUnavailable as e:
+            print(f"llm-pretrain: {e}", file=sys.stderr)
+            return ExitCode.NO_DAEMON
+    if verdict:
+        print(f"llm-pretrain: plan: the config cannot run as written on {args.devices} devices: {verdict}",
+              file=sys.stderr)
+        return ExitCode.CONFIG_ERROR
     return ExitCode.OK
 
 
@@ -467,14 +507,14 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
             "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
             "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "plot": _cmd_plot, "export": _cmd_export,
-            "import-config": _cmd_import_config,
+            "import-config": _cmd_import_config, "plan": _cmd_plan,
             "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control,
             "chaos": _cmd_chaos}
 
 
 # Commands that only print: a closed pipe (`status --json | head`) ends them as it ends any Unix tool,
 # quietly by SIGPIPE. The long-running ones keep Python's default: their output is never worth dying for.
-_PRINTING = {"status", "logs", "config", "checkpoints", "plot", "export", "import-config", "install-service",
+_PRINTING = {"status", "logs", "config", "plan", "checkpoints", "plot", "export", "import-config", "install-service",
              "pause", "resume", "checkpoint", "stop", "inject"}
 
 

@@ -27,6 +27,7 @@ is built, not run, by the tests; see the README's Ascend section.
 """
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -122,6 +123,7 @@ class ShardedTrainStep:
         self.loss_share = 1.0 / (p.dp * p.tp)        # every last-stage rank holds the same loss
         self.all_reduce = ops.AllReduce()
         self.compiled_once = False
+        self.simulated = bool(os.environ.get("MS_SIMULATION_LEVEL"))
 
     def _inputs(self, micro_batches: np.ndarray, lr: float, poison: float):
         tokens = micro_batches.reshape(-1, micro_batches.shape[-1])      # (accum x rows, seq_len + 1)
@@ -143,7 +145,8 @@ class ShardedTrainStep:
         synced = time.perf_counter()
         flags = np.zeros(1, np.int32) if control is None else control.astype(np.int32)
         mine = np.concatenate([[float(loss) * self.loss_share if self.last_stage else 0.0], flags]).astype(np.float32)
-        agreed = self.all_reduce(Tensor(mine)).asnumpy()
+        # a dry run (MS_SIMULATION_LEVEL) compiles and allocates but communicates nothing
+        agreed = mine if self.simulated else self.all_reduce(Tensor(mine)).asnumpy()
         return StepResult(loss=float(agreed[0]), grad_norm=float(grad_norm), loss_scale=float(scale),
                           skipped=bool(skipped), control=tuple(int(round(v)) for v in agreed[1:]),
                           sync_s=time.perf_counter() - synced)

@@ -215,6 +215,9 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env)
     applied = 0
     last = min(cfg.train.steps, until_step) if until_step is not None else cfg.train.steps
+    simulated = bool(env.get("MS_SIMULATION_LEVEL"))      # `plan --dry-run`: one compiled step, nothing saved
+    if simulated:
+        last = min(last, trainer.step + 1)
     interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
     reason = "finished" if last == cfg.train.steps else "until_step"
     if trainer.step < last:
@@ -250,7 +253,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
                 pausing = save_now = event.step < last
             elif cmd.name == "inject":
                 drills.add(cmd.seq, cmd.args, trainer.step)
-        if save_now:
+        if save_now and not simulated:
             ckpt.save({"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr,
                        "loss_scale": event.loss_scale})
         if stopping:

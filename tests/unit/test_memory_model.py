@@ -1,0 +1,141 @@
+"""The per-device memory estimate and the planner: hand-counted sizes, the effect of each knob,
+the rules, and the refusal of an Ascend config that cannot fit."""
+from pathlib import Path
+
+import pytest
+
+from engine import memory_model as mm
+from engine import plan
+from engine.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+ASCEND = ['train.device="ascend"', 'train.precision="bf16"']
+SEVEN_B = ROOT / "configs" / "llama-7b.toml"
+THIRTEEN_B = ROOT / "configs" / "llama-13b.toml"
+
+
+def test_parameters_of_the_tiny_model_counted_by_hand():
+    m = load_config(None, []).model        # vocab 512, hidden 64, 2 layers, 4 heads, 2 kv heads, mlp 176
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 176 + 2 * 64
+    assert mm.layer_param_counts(m) == (layer - 128, 128)
+    assert mm.total_param_count(m) == 2 * layer + 512 * 64 * 2 + 64 == 158016
+
+
+def test_tensor_parallel_splits_matrices_and_vocabulary_but_not_norms():
+    m = load_config(None, []).model
+    split, replicated = mm.layer_param_counts(m, tp=2)
+    assert (split, replicated) == ((46208 - 128) // 2, 128)
+    one = mm.stage_param_count(m, tp=2, pp=1, stage=0, layers=2)
+    assert one == 2 * (split + replicated) + 2 * 512 * 64 // 2 + 64
+
+
+def test_pipeline_stages_hold_their_layers_and_the_ends_hold_embedding_and_head():
+    m = load_config(None, ["model.tie_embeddings=true"]).model
+    split, replicated = mm.layer_param_counts(m)
+    first = mm.stage_param_count(m, tp=1, pp=2, stage=0, layers=1)
+    last = mm.stage_param_count(m, tp=1, pp=2, stage=1, layers=1)
+    assert first == split + replicated + 512 * 64
+    assert last == split + replicated + 64 + 512 * 64            # a tied embedding: a copy on the last stage
+    assert mm.total_param_count(m) == 2 * (split + replicated) + 512 * 64 + 64   # one copy with pp = 1
+
+
+def test_fp32_state_bytes_per_parameter():
+    cfg = load_config(None, [])
+    stage = mm.estimate(cfg)[0]
+    n = 158016
+    assert (stage.params, stage.grads, stage.grad_accum) == (4 * n, 4 * n, 0)
+    assert stage.optimizer == 8 * n + mm.STEP_SCALARS_BYTES
+    assert stage.weight_copies == 0 and stage.runtime == 0       # fp32 casts copy nothing; no runtime on CPU
+    accum = mm.estimate(load_config(None, ["train.micro_batch=4", "train.grad_accum_steps=2"]))[0]
+    assert accum.grad_accum == 4 * n
+
+
+def test_optimizer_sharding_divides_weights_states_and_buffers_by_dp():
+    base = ["parallel.dp=4", "train.micro_batch=2", "train.grad_accum_steps=1"]
+    plain = mm.estimate(load_config(None, ASCEND + base))[0]
+    sharded = mm.estimate(load_config(None, ASCEND + base + ["parallel.optimizer_shard=true"]))[0]
+    assert sharded.params * 4 == plain.params
+    assert sharded.optimizer - mm.STEP_SCALARS_BYTES == (plain.optimizer - mm.STEP_SCALARS_BYTES) // 4
+    assert sharded.grads == plain.grads                          # the full gradient exists while it is produced
+
+
+def test_activations_follow_batch_and_shrink_with_recompute_sp_and_tp():
+    def acts(*extra):
+        return mm.estimate(load_config(SEVEN_B, list(extra) + ["parallel.device_memory_gib=10000"]))[0].activations
+    assert acts("train.recompute=false") > 5 * acts()                           # full recompute
+    assert acts("train.recompute=false", "train.micro_batch=1", "train.grad_accum_steps=32") < \
+        acts("train.recompute=false")
+    with_sp = acts("train.recompute=false", "parallel.sp=true")
+    assert with_sp < acts("train.recompute=false")
+
+
+def test_a_1f1b_pipeline_holds_more_micro_batches_on_its_first_stage():
+    stages = mm.estimate(load_config(THIRTEEN_B, ["train.recompute=false", "parallel.device_memory_gib=10000"]))
+    per_layer = mm.layer_activation_bytes(load_config(THIRTEEN_B, []).model, seq=4096, batch=1, compute_bytes=2, tp=4)
+    assert stages[0].activations >= 2 * 20 * per_layer           # pp 2: stage 0 holds 2 micro-batches of 20 layers
+    assert stages[1].activations < stages[0].activations
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_recompute_saves_more_than_60_percent_of_activation_memory(precision):
+    # the seed's claim, for the shipped 7B layout in half precision
+    def acts(recompute):
+        return mm.estimate(load_config(SEVEN_B, [f'train.precision="{precision}"', f"train.recompute={recompute}",
+                                                 "parallel.device_memory_gib=10000"]))[0].activations
+    assert 1 - acts("true") / acts("false") > 0.6
+
+
+def test_an_ascend_config_that_cannot_fit_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(SEVEN_B, ["parallel.device_memory_gib=16"])
+    message = str(info.value)
+    assert "\n" not in message and "parallel.device_memory_gib = 16" in message and "llm-pretrain plan" in message
+
+
+@pytest.mark.parametrize("path,devices", [(SEVEN_B, 8), (THIRTEEN_B, 16)])
+def test_the_shipped_ascend_configs_fit_and_their_proposals_obey_every_rule(path, devices):
+    cfg = load_config(path, [])
+    lines, verdict = plan.report(cfg, devices, plan.Hardware())
+    assert verdict == "", "\n".join(lines)
+    found = plan.propose(cfg, devices, plan.Hardware())
+    assert found and [c.tokens_per_s for c in found] == sorted((c.tokens_per_s for c in found), reverse=True)
+    for c in found:
+        assert c.layout.devices == devices and not plan.broken_rules(cfg, c.layout)
+        assert c.memory.total <= 64 * mm.GIB
+        assert c.layout.tp <= 8                                  # tensor parallelism within a node
+        applied = plan.config_with(cfg, c.layout)                # a proposal is a config that loads
+        assert applied.parallel.world_size == devices
+
+
+def test_planning_a_broken_layout_reports_each_rule():
+    cfg, layout, problem = plan.planned(str(SEVEN_B), ["parallel.tp=3"])
+    assert "parallel.tp = 3" in problem and layout.tp == 3
+    lines, verdict = plan.report(cfg, 12, plan.Hardware(), layout=layout)
+    assert verdict == "a rule is broken: model.num_heads (32) divisible by tp (3)"
+    assert any(line.startswith("  FAIL model.num_heads (32) divisible by tp (3)") for line in lines)
+
+
+def test_fewer_devices_than_a_layout_needs_proposes_none():
+    cfg = load_config(SEVEN_B, [])
+    assert plan.propose(cfg, 1, plan.Hardware(memory_gib=64)) == []
+
+
+def test_a_layout_for_other_devices_or_too_little_memory_says_why():
+    cfg = load_config(SEVEN_B, [])
+    assert plan.report(cfg, 16, plan.Hardware())[1] == "its layout (dp4 tp2 pp1 opt-shard) uses 8 devices, not 16"
+    verdict = plan.report(cfg, 8, plan.Hardware(memory_gib=24))[1]
+    assert verdict.startswith("it needs about ") and verdict.endswith("more than 24 GiB")
+
+
+def test_dry_run_plays_the_first_rank_of_each_stage_and_reads_the_memory_pools_peak():
+    from engine import dry_run
+
+    lay = mm.Layout.of(load_config(THIRTEEN_B, []))
+    assert dry_run.stage_ranks(lay) == [0, 8]                   # dp2 x tp4 ranks per stage
+    env = dry_run.stage_env(lay, 8, base={"PATH": "/bin", "MS_ROLE": "MS_WORKER"})
+    assert (env["RANK_SIZE"], env["RANK_ID"], env["MS_SIMULATION_LEVEL"]) == ("16", "8", "1") and "MS_ROLE" not in env
+    log = ("[INFO] PRE_ACT: total mem: 62000M, peak used mem: 30100M, in used mem: 1M, actual peak used mem: 30512M\n"
+           "[INFO] PRE_ACT: ... actual peak used mem: 120M")
+    assert dry_run.peak_bytes(log) == 30512 * 1024 ** 2
+    assert dry_run.peak_bytes("nothing here") is None
+    assert dry_run.toolkit_home({"ASCEND_HOME_PATH": "/nonexistent"}) is None or Path("/usr/local/Ascend").is_dir()
