@@ -32,6 +32,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/data_throughput.py
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/recovery.py
+	$(BIN)/python bench/memory_model.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

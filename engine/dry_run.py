@@ -28,7 +28,8 @@ from engine.memory_model import GIB, Layout, estimate
 TOOLKIT_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
 TOOLKIT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
 SIMULATION_LEVEL = "1"          # compile, infer shapes and allocate (in simulation): memory is known
-# the memory pool's summary, e.g. "... peak used mem: 1234M, ... actual peak used mem: 1300M, ..."
+# the memory pool's summary: "Actual peak memory usage (with fragments): 48874M" (MindFormers' dry-run guide;
+# "Used peak memory usage (without fragments)" beside it), or the pool's "actual peak used mem: 1300M"
 _PEAK = re.compile(r"actual peak (?:used )?mem(?:ory)?(?: usage)?(?: \([^)]*\))?\s*:\s*([\d.]+)\s*([KMGT]?)B?",
                    re.IGNORECASE)
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}

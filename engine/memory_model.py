@@ -157,21 +157,17 @@ def layer_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_byte
 
 def head_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_bytes: int, tp: int = 1,
                           sp: bool = False) -> int:
-    """The last stage's final norm, head and loss: norm as in a layer, fp32 logits and the
-    loss's log-softmax (both split by vocabulary across tp)."""
+    """The last stage's final norm, head and loss: norm as in a layer; fp32 logits and the loss's
+    log-softmax, then in its backward the log-softmax's gradient and the softmax that turns it into
+    the logits' gradient (four vocabulary-wide fp32 tensors, split by vocabulary across tp)."""
     s, b, h, c = seq, batch, m.hidden_size, compute_bytes
     region = 1 if not sp else tp
-    return (4 + 4 + c) * s * b * h // region + 2 * 4 * s * b * m.vocab_size // tp
+    return (4 + 4 + c) * s * b * h // region + 4 * 4 * s * b * m.vocab_size // tp
 
 
-def backward_workspace_bytes(m: ModelConfig, *, seq: int, batch: int, tp: int = 1, last_stage: bool) -> int:
-    """The largest gradients alive at once in the backward pass: the softmax's (fp32) in attention,
-    and on the last stage the logits' gradient."""
-    s, b = seq, batch
-    work = 4 * b * (m.num_heads // tp) * s * s
-    if last_stage:
-        work = max(work, 4 * s * b * m.vocab_size // tp)
-    return work
+def backward_workspace_bytes(m: ModelConfig, *, seq: int, batch: int, tp: int = 1) -> int:
+    """The largest gradient alive at once inside a layer's backward pass: the attention softmax's (fp32)."""
+    return 4 * batch * (m.num_heads // tp) * seq * seq
 
 
 # The whole estimate ------------------------------------------------------------
@@ -205,7 +201,7 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
         acts *= in_flight(k)
         if recomputed:
             acts += per_layer                   # the one layer rebuilt at a time in the backward pass
-        acts += backward_workspace_bytes(m, seq=seq, batch=batch, tp=tp, last_stage=last)
+        acts += backward_workspace_bytes(m, seq=seq, batch=batch, tp=tp)
         split, replicated = layer_param_counts(m, tp)
         accumulates = lay.grad_accum_steps > 1 or pp > 1
         comm = 0

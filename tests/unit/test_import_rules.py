@@ -54,7 +54,8 @@ def test_protocol_is_stdlib_only():
         assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
 
 
-@pytest.mark.parametrize("name", ["__init__.py", "config.py", "schedule.py", "data.py", "parallel.py"])
+@pytest.mark.parametrize("name", ["__init__.py", "config.py", "schedule.py", "data.py", "parallel.py", "memory_model.py",
+                                  "plan.py", "dry_run.py"])
 def test_engine_modules_the_supervisor_may_load_do_not_import_mindspore(name):
     assert not any(n.startswith("mindspore") for n in _imports(ROOT / "engine" / name))
 

@@ -137,5 +137,7 @@ def test_dry_run_plays_the_first_rank_of_each_stage_and_reads_the_memory_pools_p
     log = ("[INFO] PRE_ACT: total mem: 62000M, peak used mem: 30100M, in used mem: 1M, actual peak used mem: 30512M\n"
            "[INFO] PRE_ACT: ... actual peak used mem: 120M")
     assert dry_run.peak_bytes(log) == 30512 * 1024 ** 2
+    assert dry_run.peak_bytes("Used peak memory usage (without fragments): 48874M\n"
+                              "Actual peak memory usage (with fragments): 49000M") == 49000 * 1024 ** 2
     assert dry_run.peak_bytes("nothing here") is None
     assert dry_run.toolkit_home({"ASCEND_HOME_PATH": "/nonexistent"}) is None or Path("/usr/local/Ascend").is_dir()
