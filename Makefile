@@ -33,6 +33,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/memory_model.py
+	$(BIN)/python bench/dp_scaling.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

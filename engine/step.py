@@ -9,7 +9,8 @@ compile time does not grow with k) and one compiled update finishes the step.
 Invariants (README, Numerics):
 - non-finite gradients are never applied, in any precision: the step is
   skipped, reported, and parameters and optimizer state stay bit-identical;
-- under data parallel, gradients are all-reduced once per optimizer step, and
+- under data parallel, gradients, the loss and the control flags are summed in one
+  all-reduce per optimizer step (a flat buffer, as DDP buckets), and
   the reported loss and grad norm are global (identical on every rank);
 - the reported grad norm is that of the unscaled, unclipped gradients.
 """
@@ -83,16 +84,28 @@ class TrainStep(nn.Cell):
         (_, loss), grads = self._grad_fn(inputs, targets, self.scaler.scale * poison)
         return loss, grads
 
-    def _mean_over_ranks(self, value):
+    def _reduce_over_ranks(self, grads, loss, control):
+        """One all-reduce for everything ranks agree on, the way DDP buckets gradients: every
+        gradient flattened, then the loss and the control flags, summed in one flat fp32 buffer
+        (one collective per step instead of one per parameter), split back and divided by dp."""
         if self.all_reduce is None:
-            return value
-        return self.all_reduce(value) / self.dp
+            return grads, loss, control
+        flat = ops.concat([g.astype(ms.float32).reshape(-1) for g in grads] +
+                          [loss.astype(ms.float32).reshape(1), control.astype(ms.float32)])
+        summed = self.all_reduce(flat)
+        out, at = [], 0
+        for g in grads:
+            out.append(summed[at:at + g.size].reshape(g.shape) / self.dp)
+            at += g.size
+        # CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24
+        return out, summed[at] / self.dp, summed[at + 1:].astype(ms.int32)
 
     def _apply(self, grads, loss, lr, control):
         """grads: summed over this rank's micro-batches, still scaled; loss: summed likewise."""
         inv = 1.0 / (self.scaler.scale * self.accum_steps)
-        grads = [self._mean_over_ranks(g) * inv for g in grads]
-        loss = self._mean_over_ranks(loss) / self.accum_steps
+        grads, loss, agreed = self._reduce_over_ranks(grads, loss, control)
+        grads = [g * inv for g in grads]
+        loss = loss / self.accum_steps
         finite = ms.amp.all_finite(grads)
         sq = [ops.reduce_sum(g * g) for g in grads]
         grad_norm = ops.sqrt(ops.addn(sq))
@@ -102,9 +115,6 @@ class TrainStep(nn.Cell):
         scale_used = self.scaler.scale * 1.0
         done = self.optimizer.update(grads, lr, finite)
         done = ops.depend(done, self.scaler.adjust(finite))
-        # CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24.
-        agreed = control if self.all_reduce is None else \
-            self.all_reduce(control.astype(ms.float32)).astype(ms.int32)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
 
     def _fused_step(self, tokens, lr, poison, control):
