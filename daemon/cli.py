@@ -237,7 +237,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
         try:
             dry_run.run(args.config, args.overrides, cfg, layout)
-        except dry_run.DryRunUnavailable as e:
+        except dry_run.DryRunUnavailableError as e:
             print(f"llm-pretrain: {e}", file=sys.stderr)
             return ExitCode.NO_DAEMON
     if verdict:

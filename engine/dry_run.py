@@ -35,7 +35,7 @@ _PEAK = re.compile(r"actual peak (?:used )?mem(?:ory)?(?: usage)?(?: \([^)]*\))?
 _UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
 
 
-class DryRunUnavailable(RuntimeError):
+class DryRunUnavailableError(RuntimeError):
     """The dry run needs the Ascend toolkit (and MindSpore's Ascend build); exit 69."""
 
 
@@ -80,7 +80,7 @@ def run(config: str | None, overrides: list[str], cfg: Config, layout: Layout, *
     """Compiles each stage in simulation and prints its peak beside the estimate."""
     home = toolkit_home()
     if home is None:
-        raise DryRunUnavailable(
+        raise DryRunUnavailableError(
             "plan --dry-run needs the Ascend toolkit (CANN) and MindSpore's Ascend build on this host (looked at "
             f"${', $'.join(TOOLKIT_ENV)} and {', '.join(TOOLKIT_DIRS)}); the estimate above needs neither")
     estimated = estimate(cfg, layout, runtime=True)

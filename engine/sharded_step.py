@@ -33,25 +33,18 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import ParameterTuple, Tensor, nn, ops
+from mindspore import Tensor, nn, ops
 
 from engine import parallel
 from engine.config import Config
-from engine.loss_scale import LossScaler
-from engine.optim import AdamW
-from engine.step import StepResult
+from engine.step import StepResult, StepState
 
 
-class ShardedStep(nn.Cell):
+class ShardedStep(StepState):
     def __init__(self, net: nn.Cell, cfg: Config):
-        super().__init__(auto_prefix=False)
+        super().__init__(net, cfg)
         from mindspore.parallel.nn import GradAccumulation, Pipeline, PipelineGradReducer
 
-        self.net = net
-        self.params = ParameterTuple(net.trainable_params())
-        self.optimizer = AdamW(self.params, cfg.optim)
-        self.scaler = LossScaler(cfg.train)
-        self.grad_clip = cfg.optim.grad_clip
         self.micro = parallel.micro_batches(cfg)
         if cfg.parallel.pp > 1:
             self.network = Pipeline(net, self.micro)       # stages: engine/sharding.py set them on the cells
@@ -81,12 +74,7 @@ class ShardedStep(nn.Cell):
         squares = [self.expand(ops.reduce_sum(ops.square(g.astype(ms.float32))), 0) for g in grads]
         grad_norm = ops.sqrt(ops.addn(squares))[0]
         finite = ops.isfinite(grad_norm)
-        if self.grad_clip > 0:
-            coef = ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
-            grads = [g * coef for g in grads]
-        scale_used = self.scaler.scale * 1.0
-        done = self.optimizer.update(grads, lr, finite)
-        done = ops.depend(done, self.scaler.adjust(finite))
+        done, scale_used = self._clip_and_update(grads, grad_norm, finite, lr)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite)
 
 
@@ -114,7 +102,7 @@ class ShardedTrainStep:
         self.cfg, self.rank = cfg, rank
         self.accum_steps = cfg.train.grad_accum_steps
         self.cell = ShardedStep(net, cfg)
-        self.optimizer, self.scaler = self.cell.optimizer, self.cell.scaler
+        self.scaler = self.cell.scaler
         strategy = run_dir / "strategy" / f"rank_{rank}.ckpt"
         strategy.parent.mkdir(parents=True, exist_ok=True)
         self.compiled = wrap(self.cell, cfg, str(strategy))
@@ -152,4 +140,4 @@ class ShardedTrainStep:
                           sync_s=time.perf_counter() - synced)
 
     def state(self) -> list:
-        return [*self.optimizer.state(), *self.scaler.state()]
+        return self.cell.state()

@@ -41,19 +41,40 @@ class StepResult:
     sync_s: float = 0.0  # seconds in the graph holding the collectives (fused step, or the finishing update)
 
 
-class TrainStep(nn.Cell):
-    """DATA_PARALLEL (and one rank): every rank holds the whole model; the step reduces gradients itself.
-    Semi-auto parallel layouts use engine.sharded_step instead (engine.parallel.reduction says which)."""
+class StepState(nn.Cell):
+    """What every step holds — the model, its parameters, AdamW, the loss scaler — and how a step
+    ends: clip to the global norm, update unless the gradients were not finite, adjust the scale."""
 
-    def __init__(self, net: CausalLM, cfg: Config, *, reduction: Reduction | None = None):
+    def __init__(self, net: CausalLM, cfg: Config):
         # auto_prefix=False keeps the model's parameter names (Hugging Face's) unprefixed.
         super().__init__(auto_prefix=False)
         self.net = net
         self.params = ParameterTuple(net.trainable_params())
         self.optimizer = AdamW(self.params, cfg.optim)
         self.scaler = LossScaler(cfg.train)
-        self.accum_steps = cfg.train.grad_accum_steps
         self.grad_clip = cfg.optim.grad_clip
+
+    def _clip_and_update(self, grads, grad_norm, finite, lr):
+        """Traced: returns (done, the scale this step ran with)."""
+        if self.grad_clip > 0:
+            coef = ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
+            grads = [g * coef for g in grads]
+        scale_used = self.scaler.scale * 1.0
+        done = self.optimizer.update(grads, lr, finite)
+        return ops.depend(done, self.scaler.adjust(finite)), scale_used
+
+    def state(self) -> list[Parameter]:
+        """Everything a checkpoint must hold besides the model's parameters."""
+        return [*self.optimizer.state(), *self.scaler.state()]
+
+
+class TrainStep(StepState):
+    """DATA_PARALLEL (and one rank): every rank holds the whole model; the step reduces gradients itself.
+    Semi-auto parallel layouts use engine.sharded_step instead (engine.parallel.reduction says which)."""
+
+    def __init__(self, net: CausalLM, cfg: Config, *, reduction: Reduction | None = None):
+        super().__init__(net, cfg)
+        self.accum_steps = cfg.train.grad_accum_steps
         reduction = reduction or parallel.reduction(cfg)
         if reduction.scalars_all_reduce:
             raise ValueError("TrainStep reduces gradients by hand; a semi-auto layout needs engine.sharded_step")
@@ -109,12 +130,7 @@ class TrainStep(nn.Cell):
         finite = ms.amp.all_finite(grads)
         sq = [ops.reduce_sum(g * g) for g in grads]
         grad_norm = ops.sqrt(ops.addn(sq))
-        if self.grad_clip > 0:
-            coef = ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
-            grads = [g * coef for g in grads]
-        scale_used = self.scaler.scale * 1.0
-        done = self.optimizer.update(grads, lr, finite)
-        done = ops.depend(done, self.scaler.adjust(finite))
+        done, scale_used = self._clip_and_update(grads, grad_norm, finite, lr)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
 
     def _fused_step(self, tokens, lr, poison, control):
@@ -162,10 +178,6 @@ class TrainStep(nn.Cell):
 
     def compile(self, micro_batches: np.ndarray) -> None:
         """Nothing to do ahead: the first step compiles, and whole tensors load before it."""
-
-    def state(self) -> list[Parameter]:
-        """Everything a checkpoint must hold besides the model's parameters."""
-        return [*self.optimizer.state(), *self.scaler.state()]
 
 
 def build_step(net: CausalLM, cfg: Config, *, rank: int = 0):
