@@ -182,7 +182,10 @@ def test_a_full_disk_never_ends_the_daemon_and_saves_resume_when_space_returns(c
         failing = [e for e in named("health_warning") if e["kind"] == "checkpoint_failing"]
         assert len(failing) == 1 and "checkpoints failing since step" in failing[0]["detail"]
         assert named("checkpoints_resumed")[0]["failing_since_step"] == failing[0]["first_step"]
-        assert named("state_save_failed") and named("state_saved")       # state.json refused, then written
+        # state.json is refused only if a write lands while the disk is full to the byte: a failed save
+        # frees its partial shard at once, so whether the daemon's one write then fails is a race (the
+        # refusal itself is pinned down in tests/unit/test_disk_faults.py); refused, it is written again
+        assert not named("state_save_failed") or named("state_saved")
         final = named("daemon_exit")[-1]
         assert final["reason"] == "stopped"
         state = json.loads((run / "state.json").read_text())
