@@ -32,6 +32,7 @@ import dataclasses
 from typing import Iterable
 
 from engine.config import Config, ModelConfig
+from engine.parallel import layer_stages
 
 GIB = 1024 ** 3
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -66,7 +67,7 @@ class Layout:
         return self.dp * self.tp * self.pp
 
     def describe(self) -> str:
-        extras = [f"sp" if self.sp else "", "opt-shard" if self.optimizer_shard else ""]
+        extras = ["sp" if self.sp else "", "opt-shard" if self.optimizer_shard else ""]
         return " ".join(x for x in [f"dp{self.dp} tp{self.tp} pp{self.pp}", *extras] if x)
 
 
@@ -171,12 +172,6 @@ def backward_workspace_bytes(m: ModelConfig, *, seq: int, batch: int, tp: int = 
 
 
 # The whole estimate ------------------------------------------------------------
-def stage_layers(num_layers: int, pp: int) -> list[int]:
-    """Decoder layers per stage (contiguous blocks; earlier stages take any remainder)."""
-    base, extra = divmod(num_layers, pp)
-    return [base + (1 if k < extra else 0) for k in range(pp)]
-
-
 def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None = None) -> list[StageMemory]:
     """Per-stage device memory of `cfg` under `layout` (default: the config's own)."""
     lay = layout or Layout.of(cfg)
@@ -189,8 +184,12 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
     reserve = (cfg.train.device == "ascend") if runtime is None else runtime
     per_layer = layer_activation_bytes(m, seq=seq, batch=batch, compute_bytes=c, tp=tp, sp=lay.sp)
     kept_if_recomputed = 4 * seq * batch * m.hidden_size // (tp if lay.sp else 1)
+    split, replicated = layer_param_counts(m, tp)
+    layer_params = split + replicated
+    accumulates = lay.grad_accum_steps > 1 or pp > 1
+    placed = layer_stages(m.num_layers, pp)
     stages, first = [], 0
-    for k, layers in enumerate(stage_layers(m.num_layers, pp)):
+    for k, layers in enumerate(placed.count(stage) for stage in range(pp)):
         last = k == pp - 1
         count = stage_param_count(m, tp=tp, pp=pp, stage=k, layers=layers)
         recomputed = max(0, min(layers, lay.recompute_layers - first))
@@ -202,8 +201,6 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
         if recomputed:
             acts += per_layer                   # the one layer rebuilt at a time in the backward pass
         acts += backward_workspace_bytes(m, seq=seq, batch=batch, tp=tp)
-        split, replicated = layer_param_counts(m, tp)
-        accumulates = lay.grad_accum_steps > 1 or pp > 1
         comm = 0
         if dp > 1:
             comm += min(4 * count, DP_BUCKET_BYTES)
@@ -220,8 +217,7 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
             grad_accum=4 * count // shard if accumulates else 0,
             optimizer=8 * count // shard + STEP_SCALARS_BYTES,
             # a recomputed layer casts its weights again in the backward pass, one layer at a time
-            weight_copies=0 if c == 4 else c * (count - recomputed * (split + replicated) +
-                                                (split + replicated if recomputed else 0)),
+            weight_copies=0 if c == 4 else c * (count - max(recomputed - 1, 0) * layer_params),
             activations=acts, comm_buffers=comm,
             runtime=RUNTIME_RESERVE_BYTES if reserve else 0))
     return stages

@@ -65,7 +65,6 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
         self.eps = eps
-
         self.mul = ops.Mul()                 # x * weight: split along the tokens under sequence parallelism
 
     def construct(self, x):

@@ -243,10 +243,9 @@ def planned(path: str | None, overrides: list[str]) -> tuple[Config, Layout, str
     neutral = {**data, "parallel": {**par, **_NEUTRAL},
                "train": {**train, "micro_batch": train.get("global_batch", 8), "grad_accum_steps": 1}}
     cfg = config_from_dict(neutral)          # a ConfigError here is the model's or the data's: reported as is
-    get = lambda table, key, default: table.get(key, default)
-    lay = Layout(dp=int(get(par, "dp", 1)), tp=int(get(par, "tp", 1)), pp=int(get(par, "pp", 1)),
-                 sp=bool(get(par, "sp", False)), optimizer_shard=bool(get(par, "optimizer_shard", False)),
-                 micro_batch=int(get(train, "micro_batch", cfg.train.global_batch)),
-                 pipeline_microbatches=int(get(par, "pipeline_microbatches", 1)),
-                 grad_accum_steps=int(get(train, "grad_accum_steps", 1)), recompute_layers=cfg.recompute_layers)
+    lay = Layout(dp=int(par.get("dp", 1)), tp=int(par.get("tp", 1)), pp=int(par.get("pp", 1)),
+                 sp=bool(par.get("sp", False)), optimizer_shard=bool(par.get("optimizer_shard", False)),
+                 micro_batch=int(train.get("micro_batch", cfg.train.global_batch)),
+                 pipeline_microbatches=int(par.get("pipeline_microbatches", 1)),
+                 grad_accum_steps=int(train.get("grad_accum_steps", 1)), recompute_layers=cfg.recompute_layers)
     return cfg, lay, problem

@@ -187,4 +187,4 @@ def build_step(net: CausalLM, cfg: Config, *, rank: int = 0):
         from engine.sharded_step import ShardedTrainStep
 
         return ShardedTrainStep(net, cfg, rank=rank, run_dir=cfg.run.resolved_dir())
-    return TrainStep(net, cfg, reduction=parallel.reduction(cfg))
+    return TrainStep(net, cfg)
