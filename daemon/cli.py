@@ -14,7 +14,7 @@ import traceback
 from typing import Sequence
 
 from checkpointing import CheckpointError
-from daemon.protocol import FAULTS, ExitCode, InjectRequest
+from daemon.protocol import ENV_STANDBY_FD, FAULTS, ExitCode, InjectRequest
 from daemon.runs import RunNotFoundError, resolve_run_dir
 from engine.config import CantCreateError, ConfigError, DataError, config_hash, load_config
 
@@ -256,6 +256,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         scheduler.main()
         return ExitCode.OK
+    if os.environ.get(ENV_STANDBY_FD):               # a warm standby: form the cluster, wait to be a rank
+        from engine import standby
+
+        standby.hold(cfg, int(os.environ[ENV_STANDBY_FD]))
+        cfg = load_config(args.config, args.overrides)
     from engine import runtime
 
     runtime.check_process_count(cfg)

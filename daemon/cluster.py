@@ -14,6 +14,11 @@ from daemon.protocol import ENV_GENERATION
 SCHEDULER = "MS_SCHED"
 WORKER = "MS_WORKER"
 
+# How long a rank waits before it retries reaching the scheduler: MindSpore's default is a random
+# 3-5 s, and a rank that starts before its scheduler listens (they start together) waits that long
+# on every restart. Whole seconds only; 1 s measured 2-4 s off cluster formation.
+RETRY_INTERVAL_S = {"MS_RETRY_INTERVAL_LOWER": "1", "MS_RETRY_INTERVAL_UPPER": "1"}
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free a moment ago (each generation takes a fresh one)."""
@@ -40,6 +45,8 @@ def process_env(base: Mapping[str, str], *, role: str, sched_host: str, sched_po
         "MS_LOCAL_WORKER_NUM": str(local_worker_num),
         ENV_GENERATION: str(generation),
     })
+    for name, seconds in RETRY_INTERVAL_S.items():     # an operator's own setting wins
+        env.setdefault(name, seconds)
     env.pop("MS_NODE_ID", None)
     if role == WORKER and node_id is not None:
         env["MS_NODE_ID"] = str(node_id)

@@ -89,7 +89,8 @@ def _with_parent_death_signal(sig: int | None, before_exec: Callable[[], None] |
 
 
 def spawn(cmd: Sequence[str], *, env: Mapping[str, str], log_path: Path, role: str, rank: int,
-          before_exec: Callable[[], None] | None = None, parent_death_signal: int | None = None) -> Worker:
+          before_exec: Callable[[], None] | None = None, parent_death_signal: int | None = None,
+          pass_fds: Sequence[int] = ()) -> Worker:
     """Starts `cmd` as the leader of a new process group (and session), stdout and stderr to `log_path`;
     `before_exec` runs in the child before it execs (joining a memory cgroup); `parent_death_signal`
     is sent to it by the kernel if the daemon dies."""
@@ -97,7 +98,7 @@ def spawn(cmd: Sequence[str], *, env: Mapping[str, str], log_path: Path, role: s
     with open(log_path, "ab", buffering=0) as log:
         start = log.seek(0, os.SEEK_END)
         popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True,
+                                 stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=tuple(pass_fds),
                                  preexec_fn=_with_parent_death_signal(parent_death_signal, before_exec))
     return Worker(role=role, rank=rank, popen=popen, log_path=log_path, log_start=start)
 
@@ -141,6 +142,20 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     return killed
 
 
+def spawn_rank(cfg: Config, rank: int, cmd: Sequence[str], env: Mapping[str, str], *, log_dir: Path,
+               memcg_parent: tuple[int, Path] | None, cgroup_name: str, pass_fds: Sequence[int] = ()) -> Worker:
+    """One rank, in its own memory cgroup when the run limits memory. If the daemon dies, the rank
+    checkpoints at its next step and exits (its SIGTERM handler); the scheduler needs no such signal:
+    it ends when the ranks have."""
+    group = None
+    if memcg_parent is not None:
+        group = memcg.MemoryCgroup.create(memcg_parent, cgroup_name, cfg.run.worker_memory_limit_bytes)
+    worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=log_dir / f"rank-{rank}.log",
+                   before_exec=group.join if group else None, parent_death_signal=signal.SIGTERM, pass_fds=pass_fds)
+    worker.group = group
+    return worker
+
+
 @dataclasses.dataclass(frozen=True)
 class RankExit:
     rank: int
@@ -160,6 +175,7 @@ class Generation:
         self.memcg_parent, self.cgroup_dir = memcg_parent, cgroup_dir
         self.workers: list[Worker] = []
         self.final_memory: dict | None = None    # peak memory and OOM kills per rank, after teardown
+        self.from_standby = False                # its processes were a warm standby's (daemon/standby.py)
         self._reported: set[int] = set()
         self.grace_s = cfg.run.kill_grace_s
         sock_path.unlink(missing_ok=True)
@@ -173,30 +189,35 @@ class Generation:
         return [w for w in self.workers if w.role == "rank"]
 
     def launch(self, files, env: Mapping[str, str], *, worker_cmd: Sequence[str], scheduler_cmd: Sequence[str] | None,
-               port: int, ranks: Sequence[int]) -> None:
+               port: int, ranks: Sequence[int], standby=None) -> int:
         """MindSpore's scheduler (given `scheduler_cmd`, with more than one rank in all) and this node's
-        ranks, with the environments and files of `files` (a daemon.run_files.RunFiles)."""
+        ranks, with the environments and files of `files` (a daemon.run_files.RunFiles); or the processes
+        of an activated `standby` (daemon/standby.py), already running. Returns the scheduler's port."""
+        if standby is not None:
+            self.adopt(standby.workers)
+            self.from_standby = True
+            return standby.port
         cfg, n = self.cfg, self.number
         if cfg.parallel.world_size > 1 and scheduler_cmd:
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
         for rank in ranks:
             self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
                             files.rank_env(env, cfg, rank=rank, port=port, generation=n, sock=self.sock_path))
+        return port
 
     def start_scheduler(self, cmd: Sequence[str], env: Mapping[str, str]) -> None:
         self.workers.append(spawn(cmd, env=env, role="scheduler", rank=-1, log_path=self.log_dir / "scheduler.log"))
 
     def start_rank(self, rank: int, cmd: Sequence[str], env: Mapping[str, str]) -> None:
-        group = None
-        if self.memcg_parent is not None:
-            group = memcg.MemoryCgroup.create(self.memcg_parent, f"{self.cgroup_dir}/g{self.number}-rank-{rank}",
-                                              self.cfg.run.worker_memory_limit_bytes)
-        # if the daemon dies, a rank checkpoints at the next step and exits (its SIGTERM handler);
-        # the scheduler needs none: it ends when the ranks have
-        worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=self.log_dir / f"rank-{rank}.log",
-                       before_exec=group.join if group else None, parent_death_signal=signal.SIGTERM)
-        worker.group = group
-        self.workers.append(worker)
+        self.workers.append(spawn_rank(self.cfg, rank, cmd, env, log_dir=self.log_dir, memcg_parent=self.memcg_parent,
+                                       cgroup_name=f"{self.cgroup_dir}/g{self.number}-rank-{rank}"))
+
+    def adopt(self, workers: Sequence[Worker]) -> None:
+        """Takes a warm standby's processes as this generation's (daemon/standby.py): their output
+        from here on is this generation's."""
+        for w in workers:
+            w.log_start = w.log_path.stat().st_size if w.log_path.exists() else 0
+            self.workers.append(w)
 
     def events(self) -> Iterator:
         """The datagrams received, decoded (malformed ones dropped)."""

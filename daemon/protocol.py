@@ -126,6 +126,7 @@ class PhaseEvent(_Event):
     generation: int
     phase: str                # one of PHASES
     step: int = 0
+    startup_s: dict | None = None   # on "compile": seconds per start-up stage (engine/startup.py)
     kind: str = "phase"
 
 
@@ -143,7 +144,7 @@ class DataFaultEvent(_Event):
     kind: str = "data_fault"
 
 
-PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting")
+PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting", "standby")   # standby: formed, waiting
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LrOverride:
@@ -229,6 +230,26 @@ ENV_COMMANDS = "LLM_PRETRAIN_COMMANDS"           # path of the commands file
 ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 first
 ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
+ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
+
+
+def activation_line(env: dict[str, str]) -> bytes:
+    """What the supervisor writes to a standby rank's pipe to make it the rank of a generation: the
+    rank's whole environment for that generation, as one JSON line."""
+    return json.dumps({"env": env}, sort_keys=True).encode() + b"\n"
+
+
+def await_activation(fd: int) -> dict[str, str] | None:
+    """A standby rank blocks here until the supervisor activates it (returns the environment to take)
+    or retires it by closing the pipe (returns None: exit quietly)."""
+    with open(fd, "rb", closefd=True) as pipe:
+        line = pipe.readline()
+    if not line.endswith(b"\n"):
+        return None
+    env = json.loads(line)["env"]
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise ValueError("a standby activation must carry an environment of strings")
+    return env
 
 # Longest path a UNIX socket address holds on Linux (108 bytes with the terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from daemon import control, effects_of_watch, memcg, peers, recovery, watch
+from daemon import control, effects_of_watch, memcg, peers, recovery, standby, watch
 from daemon.nodes import Nodes
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, kill_orphans, socket_path
@@ -49,6 +49,7 @@ class Supervisor:
         self.ledger: Ledger | None = None       # made once the lock is held: it writes into the run
         self.backoff = recovery.Backoff(cfg.health)
         self.peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
+        self.spare = standby.Keeper(self.files, self.env, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd)
 
     @property
     def state(self):
@@ -78,6 +79,7 @@ class Supervisor:
             self.ledger.notify.stopping(f"exiting with {int(code)} ({self.state.status})")
             return code
         finally:
+            self.spare.retire()
             self.peers.close()
             self.ledger.metrics.close()
             self.control.close()
@@ -156,19 +158,20 @@ class Supervisor:
         outcome: watch.Outcome | None = None
         try:
             with gen:
-                gen.launch(self.files, self.env, worker_cmd=self.worker_cmd, port=port, ranks=ranks,
-                           scheduler_cmd=self.scheduler_cmd if self.peers.is_leader else None)
+                port = gen.launch(self.files, self.env, worker_cmd=self.worker_cmd, port=port, ranks=ranks,
+                                  scheduler_cmd=self.scheduler_cmd if self.peers.is_leader else None,
+                                  standby=self.spare.claim(cfg, n, ranks, gen.sock_path, ledger))
                 self.state.processes = [w.record() for w in gen.workers]
                 ledger.set_status("running")
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
                             resume_step=resume, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
-                            config_changes=self.state.config_changes or None)
+                            config_changes=self.state.config_changes or None, standby=gen.from_standby)
                 w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(),
                                 log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
                 outcome = self._watch(gen, w, n)
                 outcome = self.peers.conclude(n, outcome, requested=w.stop_sent_at is not None or bool(self.stop_reason))
                 ledger.hold_undecided(getattr(outcome, "incident", None))
-                gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s)
+                gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s, saving=w.saving)
         finally:
             self.state.processes = []
             ledger.save()
@@ -180,7 +183,7 @@ class Supervisor:
         while True:
             now = time.monotonic()
             ended = gen.new_exits()          # before the events: a rank's last datagram precedes its exit
-            for event in gen.events():
+            for event in self.spare.sift(gen.events(), now, self.ledger):    # a standby's own go no further
                 w.on_event(event, now)
             self._apply(w.drain(), gen)
             self.ledger.tick(now)
@@ -200,6 +203,7 @@ class Supervisor:
             self._apply(w.drain(), gen)
             if outcome is not None:
                 return outcome
+            self.spare.tick(self.cfg, gen, w, self.ledger, self.memcg_parent)
             gen.wait(TICK_S)
 
     def _apply(self, effects: list[watch.Effect], gen: Generation) -> None:

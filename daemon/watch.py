@@ -157,12 +157,17 @@ class Failed:
 Outcome = Finished | Stopped | Released | Regroup | WorkerFailed | Failed
 
 
-def teardown_grace_s(outcome: Outcome, kill_grace_s: float, failed_grace_s: float = 2.0) -> float:
+def teardown_grace_s(outcome: Outcome, kill_grace_s: float, *, saving: bool = True,
+                     failed_grace_s: float = 2.0) -> float:
     """SIGTERM → SIGKILL grace: numerical incidents throw the ranks' state away (kill at once); after
-    a crash or hang the survivors sit in a collective and never run their handler (keep it short)."""
+    a crash or hang the survivors sit in a collective and never run their handler, so the only thing
+    worth waiting for is a checkpoint they are still writing (`saving`): a short grace then, none
+    otherwise (every second of it is a second of recovery)."""
     if not isinstance(outcome, Failed):
         return kill_grace_s
-    return min(kill_grace_s, failed_grace_s) if outcome.incident.kind.is_process_fault else 0.0
+    if not outcome.incident.kind.is_process_fault or not saving:
+        return 0.0
+    return min(kill_grace_s, failed_grace_s)
 
 
 # The watch ----------------------------------------------------------------------------------
@@ -189,6 +194,7 @@ class Watch:
         self.paused_at = 0.0
         self.last_step = 0
         self._committed_step = 0
+        self._unsettled: set[int] = set()            # checkpoint steps staged, neither committed nor failed
         self.stop_reason: str | None = None
         self.stop_sent_at: float | None = None
         self.forced = False
@@ -217,13 +223,14 @@ class Watch:
     # Inputs ---------------------------------------------------------------------------------
     def on_event(self, ev: StepEvent | PhaseEvent | CheckpointEvent | ExitEvent | DataFaultEvent, now: float) -> None:
         p = self.progress.get(ev.rank)
-        if p is None or ev.generation != self.generation:
-            return                                   # another generation's late datagram
+        if p is None or ev.generation != self.generation or getattr(ev, "phase", None) == "standby":
+            return                                   # another generation's late datagram, or a standby's
         p.since_s = now
         if isinstance(ev, PhaseEvent):
             p.phase, p.step = ev.phase, ev.step or p.step
             if ev.phase == "compile" and ev.rank == self.watched:
-                self._do(Note("compiling", fields={"step": ev.step, "detail": "the first step compiles the step "
+                self._do(Note("compiling", fields={"step": ev.step, **({"startup_s": ev.startup_s} if ev.startup_s else {}),
+                                                   "detail": "the first step compiles the step "
                                                    "graph: seconds to a minute on CPU, minutes on Ascend"}))
             if ev.phase == "paused":
                 self._maybe_paused(ev.step, now)
@@ -284,7 +291,21 @@ class Watch:
                                                          "evidence": dict(incident.evidence)}))
             self._incident = incident
 
+    @property
+    def stepping(self) -> bool:
+        """Every rank has completed a step in this generation (its compile is behind it)."""
+        return set(self.ranks) <= self._first_step_seen
+
+    @property
+    def saving(self) -> bool:
+        """A checkpoint is being written: staged by a rank, not yet committed or failed."""
+        return bool(self._unsettled)
+
     def _checkpoint(self, ev: CheckpointEvent) -> None:
+        if ev.stage == "staged":
+            self._unsettled.add(ev.step)
+        elif ev.stage in ("committed", "failed"):
+            self._unsettled = {s for s in self._unsettled if s > ev.step}
         if ev.stage == "committed":
             self._committed_step = max(self._committed_step, ev.step)
             self._do(Committed(ev.step, max(self.last_step, ev.step)))

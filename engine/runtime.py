@@ -44,8 +44,31 @@ def check_process_count(cfg: Config, env: Mapping[str, str] = os.environ) -> Non
                           "a single process runs only 1 (start ranks with `llm-pretrain run`)")
 
 
+_formed: tuple[tuple, RankInfo] | None = None     # what setup did in this process, and for which settings
+
+
+def _setup_key(cfg: Config, env: Mapping[str, str]) -> tuple:
+    return (cfg.train.device, cfg.train.seed, cfg.train.compute_threads, cfg.parallel,
+            tuple(sorted((k, v) for k, v in env.items() if k.startswith("MS_"))))
+
+
 def setup(cfg: Config, env: Mapping[str, str] = os.environ) -> RankInfo:
-    """Initialises MindSpore for this process; raises ConfigError if the cluster does not match the config."""
+    """Initialises MindSpore for this process; raises ConfigError if the cluster does not match the config.
+
+    Once per process: a warm standby rank (engine/standby.py) forms its cluster before it is activated,
+    and the activated worker's call returns that cluster, if nothing it depends on changed."""
+    global _formed
+    key = _setup_key(cfg, env)
+    if _formed is not None:
+        if _formed[0] != key:
+            raise ConfigError("the device, seed, threads, parallel layout or MindSpore environment changed "
+                              "after this process formed its cluster")
+        return _formed[1]
+    _formed = (key, _setup(cfg, env))
+    return _formed[1]
+
+
+def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     import mindspore as ms
 
     check_process_count(cfg, env)

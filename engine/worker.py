@@ -27,6 +27,7 @@ from engine.commands import CommandReader
 from engine.drills import Drills
 from engine.events import EventSink
 from engine.feed import FedStep, feed
+from engine.startup import StartupClock
 
 
 class Trainer:
@@ -187,16 +188,24 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     every checkpoint.interval_steps, on SIGTERM/SIGINT or a `stop`/`checkpoint` command, and at the end.
     Every rank emits its events (steps, phases, checkpoints) as JSON lines and, under the supervisor,
     datagrams; raises CheckpointSaveError if the last save fails."""
+    clock = StartupClock()
+    clock.mark("launch")                  # interpreter, imports, config and resume checks
     source = data.open_source(cfg)        # bad data fails here, before the cluster forms
+    clock.mark("data")
     stop = _StopSignal()
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
     sink = EventSink(out, env.get(ENV_EVENT_SOCKET))
     generation = int(env.get(ENV_GENERATION, "0"))
+    import mindspore  # noqa: F401  (timed on its own; runtime.setup uses it)
+
+    clock.mark("import")
     rank_info = runtime.setup(cfg, env)
-    phase = lambda name, step=0: sink.emit(PhaseEvent(rank=rank_info.rank, generation=generation, phase=name,
-                                                      step=step))
+    clock.mark("cluster")
+    phase = lambda name, step=0, **more: sink.emit(PhaseEvent(rank=rank_info.rank, generation=generation,
+                                                              phase=name, step=step, **more))
     phase("restore")
     trainer = Trainer(cfg, rank_info, generation=generation, source=source)
+    clock.mark("build")
     from engine.checkpoint import TrainerCheckpoints
 
     # Under the supervisor, retention is its job: it knows which checkpoints its incidents still need.
@@ -220,8 +229,9 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         last = min(last, trainer.step + 1)
     interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
     reason = "finished" if last == cfg.train.steps else "until_step"
+    clock.mark("restore")
     if trainer.step < last:
-        phase("compile", trainer.step)
+        phase("compile", trainer.step, startup_s=clock.stages)
     while trainer.step < last:
         commands.poll()
         control = np.concatenate([[int(stop.requested)], commands.encode(applied)]).astype(np.int32)

@@ -41,10 +41,18 @@ def _last_step(run, rank=0):
     return steps[-1]["step"] if steps else 0
 
 
-def test_kill_9_of_a_rank_is_survived(cli, quiet_env, tmp_path, stdlib_corpus):
-    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus)
-    _wait_for(lambda: _last_step(run) >= 25, what="step 25")
-    victim = next(p for p in RunState.load(run).processes if p["rank"] == 1)
+STANDBY_STEPS = 300      # a standby forms its cluster while the first generation trains: ~10 s here
+
+
+def _final_params(run: Path) -> set[str]:
+    return {json.loads(l)["params_sha256"] for r in (0, 1) for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
+            if l.startswith('{"generation"') and '"exit"' in l and '"finished"' in l}
+
+
+def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_bit_exact(cli, quiet_env, tmp_path, stdlib_corpus):
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=STANDBY_STEPS)
+    _wait_for(lambda: _last_step(run) >= 25 and _named(_events(run), "standby_ready"), what="step 25 and a standby")
+    victim = next(p for p in RunState.load(run).processes if p["rank"] == 1 and not p.get("standby"))
     crashed_at = _last_step(run)
     os.kill(victim["pid"], signal.SIGKILL)
     out, err = proc.communicate(timeout=400)
@@ -56,8 +64,27 @@ def test_kill_9_of_a_rank_is_survived(cli, quiet_env, tmp_path, stdlib_corpus):
     assert restart["cause"] == "crash" and restart["rank"] == 1
     assert crashed_at - restart["resume_step"] <= 10 + 1            # lost work: at most one interval
     assert _named(events, "daemon_exit")[0]["reason"] == "finished"
-    assert layout.committed_steps(run / "checkpoints")[-1] == 60
-    print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}")
+    assert layout.committed_steps(run / "checkpoints")[-1] == STANDBY_STEPS
+    start = _named(events, "generation_start")[1]
+    assert start["standby"] is True and start["pids"] == _named(events, "standby_started")[0]["pids"]
+    back = next(e for e in events if e["event"] == "first_step" and e["generation"] == 2)
+    print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}; "
+          f"start-up on the standby {_named(events, 'compiling')[1]['startup_s']}, "
+          f"crash event to the first step {_seconds(crash, back):.2f} s")
+    # the standby's ranks train exactly what fresh ranks would: the same parameters as a run never killed
+    (tmp_path / "again").mkdir()
+    again, reference = _daemon(cli, quiet_env, tmp_path / "again", stdlib_corpus, "run.standby=false",
+                               steps=STANDBY_STEPS)
+    _, err = again.communicate(timeout=400)
+    assert again.returncode == 0, err[-2000:]
+    assert len(_final_params(run)) == 1 and _final_params(run) == _final_params(reference)
+
+
+def _seconds(a: dict, b: dict) -> float:
+    from datetime import datetime
+
+    at = lambda e: datetime.fromisoformat(e["ts"].replace("Z", "+00:00")).timestamp()
+    return at(b) - at(a)
 
 
 def test_a_rank_that_stops_stepping_is_detected_and_restarted(cli, quiet_env, tmp_path, stdlib_corpus):

@@ -29,8 +29,9 @@ import time
 import tomllib
 from pathlib import Path
 
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, CheckpointEvent, Command,
-                             ExitEvent, PhaseEvent, Recovery, StepEvent, send_datagram)
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, ENV_STANDBY_FD,
+                             CheckpointEvent, Command, ExitEvent, PhaseEvent, Recovery, StepEvent, await_activation,
+                             send_datagram)
 
 
 def main() -> int:
@@ -52,6 +53,17 @@ def main() -> int:
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
     a = ap.parse_args()
+    if os.environ.get(ENV_STANDBY_FD):          # a warm standby: wait to be made a rank (engine/standby.py)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
+            ready.setblocking(False)
+            send_datagram(ready, os.environ[ENV_EVENT_SOCKET], PhaseEvent(
+                rank=int(os.environ.get("MS_NODE_ID", "0")), generation=int(os.environ[ENV_GENERATION]),
+                phase="standby"))
+        env = await_activation(int(os.environ[ENV_STANDBY_FD]))
+        if env is None:
+            return 0
+        os.environ.clear()
+        os.environ.update(env)
 
     rank = int(os.environ.get("MS_NODE_ID", "0"))
     generation = int(os.environ.get(ENV_GENERATION, "0"))

@@ -291,8 +291,27 @@ def test_a_checkpoint_request_becomes_a_command():
 def test_teardown_grace_depends_on_how_the_generation_ended(kind, grace):
     from daemon.incidents import Incident
 
-    assert watch.teardown_grace_s(Failed(Incident(kind=kind, first_step=1, last_step=1)), 10.0) == grace
-    assert watch.teardown_grace_s(Finished(5), 10.0) == 10.0
+    failed = Failed(Incident(kind=kind, first_step=1, last_step=1))
+    assert watch.teardown_grace_s(failed, 10.0, saving=True) == grace
+    assert watch.teardown_grace_s(failed, 10.0, saving=False) == 0.0    # nothing to wait for: recover now
+    assert watch.teardown_grace_s(Finished(5), 10.0, saving=False) == 10.0
+
+
+def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
+    from daemon.protocol import CheckpointEvent
+
+    w = make()
+    ckpt = lambda step, stage, rank=0: w.on_event(CheckpointEvent(rank=rank, generation=1, step=step, stage=stage), 1.0)
+    assert not w.saving
+    ckpt(10, "staged"), ckpt(10, "staged", rank=1)
+    assert w.saving
+    ckpt(10, "written")
+    assert w.saving                       # one shard durable is not a checkpoint
+    ckpt(10, "committed")
+    assert not w.saving
+    ckpt(20, "staged")
+    ckpt(20, "failed")
+    assert not w.saving
 
 
 def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exits_65():

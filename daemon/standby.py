@@ -1,0 +1,190 @@
+"""A warm standby: the next generation's processes, started while this one trains, waiting to be its ranks.
+
+Owns: when a standby may be used, starting it, handing it its generation, and
+retiring it (the worker's half is engine/standby.py). A restart that finds one
+skips the ranks' interpreter start, MindSpore's import and the dynamic
+cluster's formation — on CPU about 5.5 of the 6 s between a crash and the next
+generation's first step (bench/recovery.py).
+
+Where it is safe only: the CPU device (on Ascend a standby would claim the
+devices and HCCL of the generation that still trains), one node (another
+node's daemon cannot know the next generation's port before etcd says so), and
+an automatic master port (a fixed one is held by the training generation). A
+standby is used only for a generation with the config, ranks and MindSpore
+environment it formed its cluster with; otherwise it is retired and the
+generation starts cold.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Iterator, Mapping, Sequence
+
+from daemon import cluster, memcg
+from daemon.generation import Worker, spawn, spawn_rank, stop_all
+from daemon.protocol import ENV_STANDBY_FD, PhaseEvent, activation_line
+from engine.config import Config
+
+RETIRE_GRACE_S = 0.5      # a retired standby exits on its own when its pipe closes
+
+
+def wanted(cfg: Config) -> bool:
+    """Whether this run keeps a standby (run.standby, where it is safe: see the module's docstring)."""
+    return (cfg.run.standby and cfg.train.device == "cpu" and cfg.run.nodes == 1
+            and (cfg.run.master_port == 0 or cfg.parallel.world_size == 1))
+
+
+def _mindspore_env(env: Mapping[str, str]) -> dict[str, str]:
+    """What a process's MindSpore has read by the time its cluster formed."""
+    return {k: v for k, v in env.items() if k.startswith(("MS_", "GLOG_"))}
+
+
+@dataclasses.dataclass
+class Standby:
+    cfg: Config
+    port: int
+    ranks: tuple[int, ...]
+    envs: dict[int, dict[str, str]]        # each rank's environment as started
+    workers: list[Worker]                  # the scheduler (with more than one rank) and the ranks
+    pipes: dict[int, int]                  # rank → the write end of its activation pipe
+    started_at: float = dataclasses.field(default_factory=time.monotonic)
+    ready_s: float | None = None           # seconds from start until every rank had formed its cluster
+    _ready: set[int] = dataclasses.field(default_factory=set)
+
+    @classmethod
+    def none(cls, cfg: Config) -> "Standby":
+        """No processes: what a generation keeps after a standby failed to start (it is not retried)."""
+        return cls(cfg, 0, (), {}, [], {})
+
+    @classmethod
+    def start(cls, cfg: Config, files, env: Mapping[str, str], *, number: int, ranks: Sequence[int],
+              worker_cmd: Sequence[str], scheduler_cmd: Sequence[str] | None, sock_path: Path,
+              memcg_parent: tuple[int, Path] | None, cgroup_dir: str) -> "Standby":
+        """Starts the processes of generation `number` (as far as anyone can tell now) with `files`'
+        environments (a daemon.run_files.RunFiles); they form their cluster and wait."""
+        port = cluster.free_port(cfg.run.master_addr) if cfg.parallel.world_size > 1 else 0
+        standby = cls(cfg, port, tuple(ranks), {}, [], {})
+        try:
+            if cfg.parallel.world_size > 1 and scheduler_cmd:
+                standby.workers.append(spawn(scheduler_cmd, env=files.scheduler_env(env, cfg, port=port, generation=number),
+                                             role="scheduler", rank=-1, log_path=files.log_dir / "scheduler.log"))
+            for rank in ranks:
+                standby.envs[rank] = files.rank_env(env, cfg, rank=rank, port=port, generation=number, sock=sock_path)
+                read_end, standby.pipes[rank] = os.pipe()
+                try:
+                    standby.workers.append(spawn_rank(
+                        cfg, rank, [*worker_cmd, "--config", str(files.resolved_config)],
+                        {**standby.envs[rank], ENV_STANDBY_FD: str(read_end)}, log_dir=files.log_dir,
+                        memcg_parent=memcg_parent, cgroup_name=f"{cgroup_dir}/standby-g{number}-rank-{rank}",
+                        pass_fds=(read_end,)))
+                finally:
+                    os.close(read_end)
+        except BaseException:
+            standby.retire()
+            raise
+        return standby
+
+    def ready(self, rank: int, now: float) -> bool:
+        """Rank `rank` reported its cluster formed; True when that makes every rank ready."""
+        if rank not in self.ranks or self.ready_s is not None:
+            return False
+        self._ready.add(rank)
+        if self._ready == set(self.ranks):
+            self.ready_s = round(now - self.started_at, 2)
+            return True
+        return False
+
+    def unusable(self, cfg: Config, ranks: Sequence[int], envs: Mapping[int, Mapping[str, str]]) -> str | None:
+        """Why this standby cannot be the generation of `cfg` and `ranks` whose ranks would get `envs`
+        (computed with this standby's port); None when it can."""
+        if cfg != self.cfg:
+            return "the config changed since it started"
+        if tuple(ranks) != self.ranks:
+            return f"this node's ranks are now {list(ranks)}, not {list(self.ranks)}"
+        if ended := [w for w in self.workers if w.popen.poll() is not None]:
+            return "its " + ", ".join(f"{w.role} {w.rank if w.rank >= 0 else ''}".strip() + f" ended ({w.popen.returncode})"
+                                      for w in ended)
+        if any(_mindspore_env(envs[r]) != _mindspore_env(self.envs[r]) for r in self.ranks):
+            return "the MindSpore environment changed since it started"
+        return None
+
+    def activate(self, envs: Mapping[int, Mapping[str, str]]) -> list[Worker]:
+        """Hands each rank its generation's environment; returns the processes, now that generation's."""
+        for rank, fd in self.pipes.items():
+            os.write(fd, activation_line(dict(envs[rank])))
+            os.close(fd)
+        self.pipes = {}
+        return self.workers
+
+    def retire(self) -> None:
+        """Closes the pipes (the ranks exit by themselves), then ends what is left."""
+        for fd in self.pipes.values():
+            os.close(fd)
+        self.pipes = {}
+        stop_all(self.workers, grace_s=RETIRE_GRACE_S)
+        for w in self.workers:
+            if w.group is not None:
+                w.group.remove()
+
+    def records(self) -> list[dict]:
+        """For state.json: a daemon that was killed ends them at its next start, like its ranks."""
+        return [{**w.record(), "standby": True} for w in self.workers]
+
+
+class Keeper:
+    """The supervisor's standby, one at a time: started once a generation's ranks all step (not
+    while they compile), handed to the next generation if it fits, retired otherwise."""
+
+    def __init__(self, files, env: Mapping[str, str], *, worker_cmd: Sequence[str],
+                 scheduler_cmd: Sequence[str] | None):
+        self.files, self.env = files, env
+        self.worker_cmd, self.scheduler_cmd = list(worker_cmd), scheduler_cmd
+        self.standby: Standby | None = None
+
+    def tick(self, cfg: Config, gen, watch, ledger, memcg_parent: tuple[int, Path] | None) -> None:
+        """Starts the standby of the generation after `gen` when it is time (a failed start is not retried
+        in this generation: it trains on, and restarts cold)."""
+        if self.standby is not None or not watch.stepping or not wanted(cfg):
+            return
+        try:
+            self.standby = Standby.start(cfg, self.files, self.env, number=gen.number + 1,
+                                         ranks=[r.rank for r in gen.ranks], worker_cmd=self.worker_cmd,
+                                         scheduler_cmd=self.scheduler_cmd, sock_path=gen.sock_path,
+                                         memcg_parent=memcg_parent, cgroup_dir=self.files.cgroup_dir)
+        except (OSError, memcg.CgroupError) as e:        # no processes, pipes or cgroups left
+            ledger.emit("standby_failed", level="warning", detail=f"cannot start a standby: {e}")
+            self.standby = Standby.none(cfg)
+            return
+        ledger.state.processes = [w.record() for w in gen.workers] + self.standby.records()
+        ledger.save()
+        ledger.emit("standby_started", pids={w.rank: w.pid for w in self.standby.workers}, port=self.standby.port)
+
+    def sift(self, events: Iterable, now: float, ledger) -> Iterator:
+        """`events` less the standby ranks' "cluster formed" reports (logged once every rank has one)."""
+        for event in events:
+            if not (isinstance(event, PhaseEvent) and event.phase == "standby"):
+                yield event
+            elif self.standby is not None and self.standby.ready(event.rank, now):
+                ledger.emit("standby_ready", next_generation=event.generation, seconds=self.standby.ready_s)
+
+    def claim(self, cfg: Config, number: int, ranks: Sequence[int], sock_path: Path, ledger) -> Standby | None:
+        """The standby, activated as generation `number`; None when there is none or it does not fit
+        (then it is retired, and the generation starts cold)."""
+        standby, self.standby = self.standby, None
+        if standby is None or not standby.workers:
+            return None
+        envs = {r: self.files.rank_env(self.env, cfg, rank=r, port=standby.port, generation=number, sock=sock_path)
+                for r in ranks}
+        if why := standby.unusable(cfg, ranks, envs):
+            ledger.emit("standby_retired", detail=f"not used for generation {number}: {why}; starting it cold")
+            standby.retire()
+            return None
+        standby.activate(envs)
+        return standby
+
+    def retire(self) -> None:
+        if self.standby is not None:
+            self.standby.retire()
+            self.standby = None

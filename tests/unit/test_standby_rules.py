@@ -1,0 +1,53 @@
+"""When a warm standby is kept, and when one is not used (daemon/standby.py); no processes."""
+import pytest
+
+from daemon.protocol import activation_line, await_activation
+from daemon.standby import Standby, wanted
+from engine.config import load_config, with_changes
+
+CFG = load_config(None, ['parallel.dp=2', 'train.micro_batch=4'])
+
+
+@pytest.mark.parametrize("overrides,kept", [
+    ([], True),
+    (["run.standby=false"], False),
+    (["run.master_port=29500"], False),                 # held by the generation that trains
+    (["parallel.dp=1", "train.micro_batch=8", "run.master_port=29500"], True),    # one rank: no scheduler
+])
+def test_a_standby_is_kept_on_cpu_single_node_runs_with_an_automatic_port(overrides, kept):
+    assert wanted(load_config(None, ['parallel.dp=2', 'train.micro_batch=4', *overrides])) == kept
+
+
+def test_no_standby_on_ascend_or_across_nodes():
+    assert not wanted(with_changes(CFG, {"train.device": "ascend"}))
+    assert not wanted(with_changes(CFG, {"run.nodes": 2, "run.master_port": 29500,
+                                         "run.coordinator": "etcd://127.0.0.1:2379"}))
+
+
+def _envs(port="5000", **more):
+    return {r: {"MS_SCHED_PORT": port, "MS_NODE_ID": str(r), "LLM_PRETRAIN_GENERATION": "2", **more} for r in (0, 1)}
+
+
+def test_a_standby_fits_only_the_config_ranks_and_mindspore_environment_it_started_with():
+    standby = Standby(CFG, 5000, (0, 1), _envs(), [], {})
+    assert standby.unusable(CFG, [0, 1], _envs(LLM_PRETRAIN_RECOVERY="/run/recovery.json")) is None
+    assert "config changed" in standby.unusable(with_changes(CFG, {"train.micro_batch": 2,
+                                                                   "train.grad_accum_steps": 2}), [0, 1], _envs())
+    assert "ranks are now [0]" in standby.unusable(CFG, [0], _envs())
+    assert "MindSpore environment" in standby.unusable(CFG, [0, 1], _envs(MS_COMPILER_CACHE_PATH="/elsewhere"))
+
+
+def test_an_activation_carries_the_whole_environment_and_a_closed_pipe_retires(tmp_path):
+    import os
+
+    read, write = os.pipe()
+    os.write(write, activation_line({"A": "1", "PATH": "/bin"}))
+    os.close(write)
+    assert await_activation(read) == {"A": "1", "PATH": "/bin"}
+    read, write = os.pipe()
+    os.close(write)
+    assert await_activation(read) is None
+    read, write = os.pipe()
+    os.write(write, b'{"env": {"A": ')                 # a daemon that died mid-write: not an activation
+    os.close(write)
+    assert await_activation(read) is None
