@@ -31,6 +31,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/data_throughput.py
 	$(BIN)/python bench/checkpoint_stall.py
+	$(BIN)/python bench/ram_tier.py
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/memory_model.py
 	$(BIN)/python bench/dp_scaling.py

@@ -6,19 +6,52 @@
     <root>/step-00001100.corrupt/    failed verification: kept for a person to look at
     <root>/step-00001000.deleting/   retired by retention, being deleted: removed at start
     <root>/LATEST                    a hint ("step-00001200"), written atomically after commit
+
+The RAM tier of a run (checkpoint.memory_interval_steps) is a root of the same
+layout on a tmpfs: `memory_root`.
 """
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import uuid
 from pathlib import Path
 
 from durable import fsync_path
 
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
+RUN_ID = ".run-id"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's identity: a random id in `<run_dir>/.run-id`, made by whoever asks first (without
+    overwriting: a race ends with every asker reading the winner's). A run directory deleted and made
+    again gets a new one. Raises OSError if `run_dir` does not exist or cannot be written."""
+    path = run_dir / RUN_ID
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    tmp = run_dir / f"{RUN_ID}.tmp-{os.getpid()}-{uuid.uuid4().hex}"
+    tmp.write_text(uuid.uuid4().hex + "\n")
+    fsync_path(tmp)
+    try:
+        os.link(tmp, path)
+        fsync_path(run_dir)
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_text().strip()
+
+
+def memory_root(run_dir: Path, base: str | Path) -> Path:
+    """The RAM tier's root for the run in `run_dir`, under the tmpfs `base`: named by the run's id,
+    so another run, or this run directory deleted and made again, never finds its RAM checkpoints."""
+    return Path(base) / f"llm-pretrain-{run_id(run_dir)}"
 
 
 def step_name(step: int) -> str:

@@ -131,3 +131,26 @@ def find_latest(root: Path, *, before_step: int | None = None,
         if quarantine_failed and quarantine(path) is not None and on_quarantine is not None:
             on_quarantine(path, problems)
     return None
+
+
+def find_newest(disk: Path, memory: Path | None, *, accept: Callable[[dict[str, Any]], bool] = lambda m: True,
+                on_quarantine: Callable[[Path, list[str]], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to resume from: the RAM tier's newest (`memory`, a root of the same layout) when
+    it is newer than every committed disk checkpoint, verifies, and `accept`s its manifest (the
+    caller's check: same config, same layout); else the newest verified one on disk. A torn RAM copy
+    is never committed, a corrupt one fails verification (and is quarantined), a wiped RAM tier (a
+    reboot) is empty: either way the disk's answer stands."""
+    on_disk = layout.committed_steps(disk)
+    if memory is not None and memory.is_dir():
+        for step in reversed(layout.committed_steps(memory)):
+            if on_disk and step <= on_disk[-1]:
+                break
+            path = layout.step_dir(memory, step)
+            if problems := verify(path):
+                if quarantine(path) is not None and on_quarantine is not None:
+                    on_quarantine(path, problems)
+                continue
+            manifest = read_manifest(path)
+            if accept(manifest):
+                return path, manifest
+    return find_latest(disk, on_quarantine=on_quarantine)

@@ -76,6 +76,10 @@ def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
     runs it again at its start (`fields` then only say so). Returns the step the run resumes from."""
     state = ledger.state
     moved = layout.roll_back(files.ckpt_root, state.pending_rollback)
+    if (memory := files.memory_root()) is not None:       # nor may the ranks resume from a newer RAM copy
+        for step in layout.committed_steps(memory):
+            if step > state.pending_rollback:
+                layout.retire(memory, step)
     resume = state.last_committed_step = files.committed_step()
     ledger.emit("rollback", level="warning", checkpoint_step=resume, rolled_back_steps=moved, **fields)
     state.pending_rollback = None

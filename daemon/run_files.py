@@ -40,9 +40,18 @@ class RunFiles:
         self.commands = self.run_dir / "commands.jsonl"
         self.recovery = self.run_dir / "recovery.json"
         self.resolved_config = self.run_dir / RESOLVED_CONFIG
+        self.memory_dir = cfg.checkpoint.memory_dir
         local = cfg.parallel.world_size // cfg.run.nodes
         self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
         self._seq = 0
+
+    def memory_root(self) -> Path | None:
+        """The run's RAM tier of checkpoints (checkpoint.memory_interval_steps); None while the run
+        directory does not exist."""
+        try:
+            return layout.memory_root(self.run_dir, self.memory_dir)
+        except OSError:
+            return None
 
     @property
     def cgroup_dir(self) -> str:

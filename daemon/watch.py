@@ -311,6 +311,11 @@ class Watch:
             self._do(Committed(ev.step, max(self.last_step, ev.step)))
         elif ev.stage == "failed":
             self._do(CheckpointFailed(ev.step, ev.detail))
+        elif ev.stage == "restored" and ev.rank == self.watched:
+            self._do(Note("checkpoint_restored", "info", {"step": ev.step, "path": ev.detail}))
+        elif ev.stage == "in_memory_failed":
+            self._do(Note("checkpoint_in_memory_failed", "warning", {"rank": ev.rank, "step": ev.step,
+                                                                     "detail": ev.detail}))
         if ev.stage in ("committed", "failed", "quarantined"):
             self._do(Note(f"checkpoint_{ev.stage}", "info" if ev.stage == "committed" else "error",
                           {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))

@@ -37,6 +37,7 @@ from engine import parallel
 from engine.config import Config, ConfigError, config_hash, trajectory_dict
 
 RUN_STATE_VERSION = 1
+MEMORY_KEEP = 2          # RAM checkpoints kept: the newest, and the one before while the next is written
 
 
 def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error: type[Exception]) -> None:
@@ -75,6 +76,13 @@ class TrainerCheckpoints:
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
                                   on_commit=self._retire if retain else None)
+        # the RAM tier: the same checkpoints on a tmpfs, between disk saves; the newest two are kept
+        self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir)
+                            if cfg.checkpoint.memory_interval_steps else None)
+        self._memory_staging: dict[str, np.ndarray] = {}
+        self.memory_writer = (ShardWriter(self.memory_root, rank=self.rank, world=self.world,
+                                          emit=self._emit_memory, keep_last=MEMORY_KEEP)
+                              if self.memory_root is not None else None)
 
     def _retire(self, step: int) -> None:
         """After the commit of `step`, on the writer's thread."""
@@ -89,6 +97,13 @@ class TrainerCheckpoints:
         self._emit_event(CheckpointEvent(rank=self.rank, generation=self.generation, step=step,
                                          stage=stage, seconds=seconds, detail=detail))
 
+    def _emit_memory(self, stage: str, *, step: int, seconds: float = 0.0, error: str = "", steps=(),
+                     detail: str = "") -> None:
+        """The RAM tier's progress, told apart from the disk's: only its commits and failures."""
+        if stage in ("committed", "failed"):
+            self._emit("in_memory" if stage == "committed" else "in_memory_failed", step=step, seconds=seconds,
+                       error=error, detail=detail or (str(self.memory_root) if stage == "committed" else ""))
+
     # Saving ------------------------------------------------------------------
     def manifest_run_state(self, trainer_state: dict[str, Any], metrics: dict[str, float]) -> dict[str, Any]:
         """The manifest's run_state: the trainer's keys (step, data_cursor, data_epoch, skip_ranges,
@@ -99,21 +114,22 @@ class TrainerCheckpoints:
                 "dp_world_size": self.world, "parallel_layout": parallel.checkpoint_layout(self.cfg),
                 "metrics": metrics}
 
-    def save(self, metrics: dict[str, float]) -> None:
-        """Copies this rank's share to host memory (the only blocking part) and hands it to the writer.
+    def save(self, metrics: dict[str, float], *, memory: bool = False) -> None:
+        """Copies this rank's share to host memory (the only blocking part) and hands it to the writer
+        (`memory`: the RAM tier's).
 
         asnumpy() is a view of the live parameter, so a copy is needed; it goes into staging
         buffers allocated once and reused, which is safe because the previous save is finished
         first (ready), and much faster than fresh allocations (no page faults)."""
         state = self._run_state()
         step = state["step"]
-        self.writer.ready(step)
-        if (short := self._space_short()) is not None:
+        writer, mine = (self.memory_writer, self._memory_staging) if memory else (self.writer, self._staging)
+        writer.ready(step)
+        if not memory and (short := self._space_short()) is not None:
             self.writer.refuse(step, short)          # this save failed, said early (and to the committer)
             self._emit("failed", step=step, error=short)
             return
         started = time.monotonic()
-        mine = self._staging
         for p in self.params:
             if self.plan[p.name] == self.rank:
                 view = p.asnumpy()                     # under semi-auto: this rank's slice
@@ -123,9 +139,10 @@ class TrainerCheckpoints:
                 np.copyto(mine[name], view)
         versions = {"llm_pretrain": "0.1.0", "mindspore": ms.__version__, "numpy": np.__version__,
                     "safetensors": safetensors.__version__, "python": platform.python_version()}
-        self.writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
-                         versions=versions)
-        self._emit("staged", step=step, seconds=time.monotonic() - started)
+        writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
+                    versions=versions)
+        if not memory:
+            self._emit("staged", step=step, seconds=time.monotonic() - started)
 
     def _space_short(self) -> str | None:
         """Why a save cannot fit, if it cannot: less space free than the last checkpoint took. Saves
@@ -147,8 +164,17 @@ class TrainerCheckpoints:
 
     def wait(self) -> bool:
         """Blocks until this rank's save in flight (and, on rank 0, its commit) is done; True if it succeeded."""
+        if self.memory_writer is not None:
+            self.memory_writer.wait()
         self.writer.wait()
         return self.writer.last_error is None
+
+    def drop_memory_tier(self) -> None:
+        """The run ended with its final checkpoint on disk: the RAM tier only holds memory now (rank 0)."""
+        if self.memory_root is not None and self.rank == 0:
+            if self.memory_writer is not None:
+                self.memory_writer.wait()
+            shutil.rmtree(self.memory_root, ignore_errors=True)
 
     # Restoring ---------------------------------------------------------------
     def restore_latest(self, *, allow_config_change: bool = False,
@@ -160,12 +186,16 @@ class TrainerCheckpoints:
             for name in layout.remove_temporaries(self.root):
                 self._emit("removed", step=layout.parse_step(name.removesuffix(".tmp")) or 0,
                            detail=f"removed {name}, left by an interrupted save")
+            if self.memory_root is not None:
+                layout.remove_temporaries(self.memory_root)
 
         def quarantined(path: Path, problems: list[str]) -> None:
             self._emit("quarantined", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
 
         started = time.monotonic()
-        found = reader.find_latest(self.root, on_quarantine=quarantined)
+        found = reader.find_newest(self.root, self.memory_root, on_quarantine=quarantined, accept=lambda m: (
+            m["run_state"].get("config_hash") == config_hash(self.cfg)
+            and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.cfg)))
         if found is None:
             return None
         path, manifest = found

@@ -212,11 +212,16 @@ class CheckpointConfig:
     interval_steps: int = 50       # save every N steps (0 = only on stop and at the end)
     keep_last: int = 3             # retain the newest N
     keep_every_steps: int = 0      # also retain every checkpoint whose step divides by this (0 = none)
+    memory_interval_steps: int = 0  # also every N steps to RAM (memory_dir): a crash loses at most N steps (0 = off)
+    memory_dir: str = "/dev/shm"   # where the RAM tier lives (a tmpfs); one directory per run under it
 
     def __post_init__(self) -> None:
         _at_least("checkpoint.interval_steps", self.interval_steps, 0)
         _at_least("checkpoint.keep_last", self.keep_last, 1)
         _at_least("checkpoint.keep_every_steps", self.keep_every_steps, 0)
+        _at_least("checkpoint.memory_interval_steps", self.memory_interval_steps, 0)
+        if not os.path.isabs(self.memory_dir):
+            _fail(f"checkpoint.memory_dir = {self.memory_dir!r} must be an absolute path (a tmpfs such as /dev/shm)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -454,6 +459,9 @@ def _check_cross_section(cfg: Config) -> None:
         _check_elastic(cfg)
     if cfg.run.nodes > 1 and cfg.run.master_port == 0:
         _fail("run.master_port = 0 picks a port on one machine only; with run.nodes > 1 set a fixed port")
+    if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps:
+        _fail("checkpoint.memory_interval_steps: the RAM tier commits on one machine's tmpfs; with run.nodes > 1 "
+              "set it to 0 (disk checkpoints only)")
     if cfg.data.seq_len > m.max_seq_len:
         _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.precision == "bf16" and t.device != "ascend":

@@ -228,6 +228,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     if simulated:
         last = min(last, trainer.step + 1)
     interval, every = cfg.checkpoint.interval_steps, cfg.train.log_interval_steps
+    in_memory = cfg.checkpoint.memory_interval_steps
     reason = "finished" if last == cfg.train.steps else "until_step"
     clock.mark("restore")
     if trainer.step < last:
@@ -263,9 +264,11 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
                 pausing = save_now = event.step < last
             elif cmd.name == "inject":
                 drills.add(cmd.seq, cmd.args, trainer.step)
+        metrics = {"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr, "loss_scale": event.loss_scale}
         if save_now and not simulated:
-            ckpt.save({"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr,
-                       "loss_scale": event.loss_scale})
+            ckpt.save(metrics)
+        elif in_memory and event.step % in_memory == 0 and not simulated:
+            ckpt.save(metrics, memory=True)             # the RAM tier, between disk saves
         if stopping:
             reason = "stopped"
             break
@@ -281,6 +284,8 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
             phase("train", trainer.step)
     phase("checkpoint", trainer.step)
     ok = ckpt.wait()
+    if ok and not simulated:
+        ckpt.drop_memory_tier()                       # the final checkpoint is on disk
     phase("exiting", trainer.step)
     end = ExitEvent(rank=rank_info.rank, generation=trainer.generation, step=trainer.step, reason=reason,
                     params_sha256=trainer.params_sha256())

@@ -49,8 +49,10 @@ def _final_params(run: Path) -> set[str]:
             if l.startswith('{"generation"') and '"exit"' in l and '"finished"' in l}
 
 
-def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_bit_exact(cli, quiet_env, tmp_path, stdlib_corpus):
-    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=STANDBY_STEPS)
+def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_exact(cli, quiet_env, tmp_path,
+                                                                                     stdlib_corpus):
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=3",
+                        steps=STANDBY_STEPS)
     _wait_for(lambda: _last_step(run) >= 25 and _named(_events(run), "standby_ready"), what="step 25 and a standby")
     victim = next(p for p in RunState.load(run).processes if p["rank"] == 1 and not p.get("standby"))
     crashed_at = _last_step(run)
@@ -67,11 +69,17 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_bit_exact(cli, quiet_e
     assert layout.committed_steps(run / "checkpoints")[-1] == STANDBY_STEPS
     start = _named(events, "generation_start")[1]
     assert start["standby"] is True and start["pids"] == _named(events, "standby_started")[0]["pids"]
+    # from the RAM tier (every 3 steps; the newest may still have been in flight), where the disk's (every 10)
+    # could cost 10
+    restored = next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
+    assert restored["path"].startswith("/dev/shm/llm-pretrain-") and 0 <= crash["step"] - restored["step"] <= 6
+    assert not list(Path("/dev/shm").glob(f"llm-pretrain-{(run / '.run-id').read_text().strip()}"))  # freed at the end
     back = next(e for e in events if e["event"] == "first_step" and e["generation"] == 2)
     print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}; "
           f"start-up on the standby {_named(events, 'compiling')[1]['startup_s']}, "
           f"crash event to the first step {_seconds(crash, back):.2f} s")
-    # the standby's ranks train exactly what fresh ranks would: the same parameters as a run never killed
+    # the standby's ranks, from a RAM checkpoint, train exactly what fresh ranks would: the same parameters as a
+    # run never killed (with no RAM tier)
     (tmp_path / "again").mkdir()
     again, reference = _daemon(cli, quiet_env, tmp_path / "again", stdlib_corpus, "run.standby=false",
                                steps=STANDBY_STEPS)

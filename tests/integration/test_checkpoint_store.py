@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,3 +189,43 @@ def test_a_rank_that_refuses_a_save_for_want_of_space_aborts_the_commit_quickly_
     assert list(tmp_path.glob("*.tmp"))
     w0.refuse(15, "not enough free space for a checkpoint")
     assert not list(tmp_path.glob("*.tmp")) and isinstance(w0.last_error, Exception)
+
+
+def _corrupt(shard: Path) -> None:
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_the_ram_tier_is_resumed_from_only_when_newer_than_the_disk_and_whole(tmp_path):
+    disk, ram = tmp_path / "disk", tmp_path / "shm" / "run"
+    _save(disk, 10)
+    _save(ram, 15)
+    newest = lambda **kw: layout.parse_step(reader.find_newest(disk, ram, **kw)[0].name)
+    assert reader.find_newest(disk, ram)[0].parent == ram and newest() == 15
+    assert newest(accept=lambda manifest: False) == 10          # another config's RAM copy: the disk's
+    # torn: a save the crash interrupted is never committed, so never loaded
+    shutil.copytree(ram / "step-00000015", ram / "step-00000017.tmp")
+    (ram / "step-00000017.tmp" / "manifest.json").unlink()
+    assert newest() == 15
+    # corrupt: fails its checksum, is set aside, and the disk's newest stands
+    _corrupt(ram / "step-00000015" / "shard-00001-of-00002.safetensors")
+    quarantined = []
+    assert newest(on_quarantine=lambda path, problems: quarantined.append(path.name)) == 10
+    assert quarantined == ["step-00000015"] and (ram / "step-00000015.corrupt").is_dir()
+    # older than the disk's newest: not used
+    _save(ram, 8)
+    assert newest() == 10
+    # a reboot wiped the tmpfs
+    shutil.rmtree(tmp_path / "shm")
+    assert newest() == 10 and reader.find_newest(disk, None)[0].parent == disk
+
+
+def test_a_run_directory_made_again_never_finds_the_old_runs_ram_tier(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    first = layout.memory_root(run, "/dev/shm")
+    assert layout.memory_root(run, "/dev/shm") == first and first.parent == Path("/dev/shm")
+    shutil.rmtree(run)
+    run.mkdir()
+    assert layout.memory_root(run, "/dev/shm") != first
