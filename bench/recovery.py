@@ -68,12 +68,12 @@ def _wait(predicate, timeout_s=300.0, poll_s=0.02):
     raise TimeoutError("benchmark condition not reached")
 
 
-def _daemon(run: Path, corpus: Path, *, cache: bool, standby: bool) -> subprocess.Popen:
+def _daemon(run: Path, corpus: Path, *, cache: bool, standby: bool, extra: tuple = ()) -> subprocess.Popen:
     sets = [f'data.path="{corpus}"', "train.steps=100000", "checkpoint.interval_steps=10", "parallel.dp=2",
             "train.micro_batch=4", f'run.dir="{run}"', f"run.compile_cache={str(cache).lower()}",
             f"run.standby={str(standby).lower()}", "health.restart_backoff_initial_s=0.2",
             "health.restart_backoff_max_s=0.2", "run.kill_grace_s=5", "health.allow_fault_injection=true",
-            "health.hang_floor_s=5", "health.hang_step_multiplier=10"]
+            "health.hang_floor_s=5", "health.hang_step_multiplier=10", *extra]
     cmd = [sys.executable, "-m", "daemon.cli", "run", *sum((["--set", s] for s in sets), [])]
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, GLOG_v="3"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)

@@ -150,8 +150,14 @@ def spawn_rank(cfg: Config, rank: int, cmd: Sequence[str], env: Mapping[str, str
     group = None
     if memcg_parent is not None:
         group = memcg.MemoryCgroup.create(memcg_parent, cgroup_name, cfg.run.worker_memory_limit_bytes)
-    worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=log_dir / f"rank-{rank}.log",
-                   before_exec=group.join if group else None, parent_death_signal=signal.SIGTERM, pass_fds=pass_fds)
+    try:
+        worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=log_dir / f"rank-{rank}.log",
+                       before_exec=group.join if group else None, parent_death_signal=signal.SIGTERM,
+                       pass_fds=pass_fds)
+    except BaseException:
+        if group is not None:
+            group.remove()
+        raise
     worker.group = group
     return worker
 

@@ -10,6 +10,7 @@ repeated after a restart is a no-op (nothing newer than its target is left).
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import time
 
 import tenacity
@@ -87,9 +88,11 @@ def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
     return resume
 
 
-def give_up(decision: Decision, ledger: Ledger) -> int:
+def give_up(decision: Decision, ledger: Ledger, files: RunFiles) -> int:
     """A Halt: the daemon ends with its code (3: crash loop, 4: numerics)."""
     code, state = decision.action.code, ledger.state
+    if (memory := files.memory_root()) is not None:       # a run that gave up holds no RAM
+        shutil.rmtree(memory, ignore_errors=True)
     ledger.emit("gave_up", level="error", code=int(code), reason=decision.action.reason,
                 restarts_without_progress=state.restarts_without_progress,
                 committed_step=decision.record.committed_step, last_incident=decision.record.log_fields())

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
-from daemon import cluster, memcg
+from daemon import cluster
 from daemon.generation import Worker, spawn, spawn_rank, stop_all
 from daemon.protocol import ENV_STANDBY_FD, PhaseEvent, activation_line
 from engine.config import Config
 
 RETIRE_GRACE_S = 0.5      # a retired standby exits on its own when its pipe closes
+FORM_TIMEOUT_S = 60.0     # a standby not formed by then is stuck (it takes ~5 s on CPU): not used
+PIPE_BYTES = 60_000       # an activation must fit the pipe's buffer (64 KiB on Linux): the write never blocks
 
 
 def wanted(cfg: Config) -> bool:
@@ -69,7 +72,8 @@ class Standby:
         try:
             if cfg.parallel.world_size > 1 and scheduler_cmd:
                 standby.workers.append(spawn(scheduler_cmd, env=files.scheduler_env(env, cfg, port=port, generation=number),
-                                             role="scheduler", rank=-1, log_path=files.log_dir / "scheduler.log"))
+                                             role="scheduler", rank=-1, log_path=files.log_dir / "scheduler.log",
+                                             parent_death_signal=signal.SIGTERM))   # no ranks may come to end it
             for rank in ranks:
                 standby.envs[rank] = files.rank_env(env, cfg, rank=rank, port=port, generation=number, sock=sock_path)
                 read_end, standby.pipes[rank] = os.pipe()
@@ -96,7 +100,8 @@ class Standby:
             return True
         return False
 
-    def unusable(self, cfg: Config, ranks: Sequence[int], envs: Mapping[int, Mapping[str, str]]) -> str | None:
+    def unusable(self, cfg: Config, ranks: Sequence[int], envs: Mapping[int, Mapping[str, str]],
+                 now: float) -> str | None:
         """Why this standby cannot be the generation of `cfg` and `ranks` whose ranks would get `envs`
         (computed with this standby's port); None when it can."""
         if cfg != self.cfg:
@@ -108,14 +113,18 @@ class Standby:
                                       for w in ended)
         if any(_mindspore_env(envs[r]) != _mindspore_env(self.envs[r]) for r in self.ranks):
             return "the MindSpore environment changed since it started"
+        if any(len(activation_line(dict(envs[r]))) > PIPE_BYTES for r in self.ranks):
+            return f"an environment larger than a pipe holds ({PIPE_BYTES} bytes)"
+        if self.ready_s is None and now - self.started_at > FORM_TIMEOUT_S:
+            return f"its cluster has not formed in {FORM_TIMEOUT_S:.0f} s"
         return None
 
     def activate(self, envs: Mapping[int, Mapping[str, str]]) -> list[Worker]:
-        """Hands each rank its generation's environment; returns the processes, now that generation's."""
-        for rank, fd in self.pipes.items():
-            os.write(fd, activation_line(dict(envs[rank])))
-            os.close(fd)
-        self.pipes = {}
+        """Hands each rank its generation's environment; returns the processes, now that generation's.
+        Raises OSError if a rank cannot be told (it died since `unusable` looked): then retire it."""
+        for rank in list(self.pipes):
+            os.write(self.pipes[rank], activation_line(dict(envs[rank])))     # fits the pipe: never blocks
+            os.close(self.pipes.pop(rank))
         return self.workers
 
     def retire(self) -> None:
@@ -153,7 +162,7 @@ class Keeper:
                                          ranks=[r.rank for r in gen.ranks], worker_cmd=self.worker_cmd,
                                          scheduler_cmd=self.scheduler_cmd, sock_path=gen.sock_path,
                                          memcg_parent=memcg_parent, cgroup_dir=self.files.cgroup_dir)
-        except (OSError, memcg.CgroupError) as e:        # no processes, pipes or cgroups left
+        except Exception as e:        # no processes, pipes or cgroups left: an optional feature ends nothing
             ledger.emit("standby_failed", level="warning", detail=f"cannot start a standby: {e}")
             self.standby = Standby.none(cfg)
             return
@@ -177,12 +186,20 @@ class Keeper:
             return None
         envs = {r: self.files.rank_env(self.env, cfg, rank=r, port=standby.port, generation=number, sock=sock_path)
                 for r in ranks}
-        if why := standby.unusable(cfg, ranks, envs):
-            ledger.emit("standby_retired", detail=f"not used for generation {number}: {why}; starting it cold")
-            standby.retire()
-            return None
-        standby.activate(envs)
-        return standby
+        why = standby.unusable(cfg, ranks, envs, time.monotonic())
+        if why is None:
+            try:
+                standby.activate(envs)
+                return standby
+            except OSError as e:
+                why = f"activating it failed ({e})"
+        ledger.emit("standby_retired", detail=f"not used for generation {number}: {why}; starting it cold")
+        standby.retire()
+        return None
+
+    def records(self) -> list[dict]:
+        """The standby's processes, for state.json (a killed daemon's successor ends them)."""
+        return self.standby.records() if self.standby is not None else []
 
     def retire(self) -> None:
         if self.standby is not None:

@@ -173,7 +173,7 @@ class Supervisor:
                 ledger.hold_undecided(getattr(outcome, "incident", None))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s, saving=w.saving)
         finally:
-            self.state.processes = []
+            self.state.processes = self.spare.records()     # a standby waits on through recovery
             ledger.save()
             if gen.final_memory:
                 ledger.emit("generation_end", outcome=type(outcome).__name__.lower(), **gen.final_memory)
@@ -217,7 +217,7 @@ class Supervisor:
         if decision is None:
             return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested awaiting the decision")
         if isinstance(decision.action, Halt):
-            return recovery.give_up(decision, self.ledger)
+            return recovery.give_up(decision, self.ledger, self.files)
         self.cfg = decision.cfg
         delay = self.backoff.delay_s(decision, self.state.restarts_without_progress) if self.peers.is_leader else 0
         recovery.count_restart(decision, self.ledger, backoff_s=delay)
@@ -228,6 +228,7 @@ class Supervisor:
     def _wait_for_resume(self) -> int | None:
         """The ranks were released while paused: hold until a resume (None) or a stop (exit 0)."""
         step = self.files.committed_step()
+        self.spare.retire()                      # released to free the machine: the standby too
         self.ledger.set_status("paused", f"paused at step {step}; ranks released")
         self.ledger.emit("released", step=step,
                          detail="paused past run.pause_release_after_s: ranks stopped; `resume` restarts them")

@@ -304,7 +304,7 @@ class Watch:
     def _checkpoint(self, ev: CheckpointEvent) -> None:
         if ev.stage == "staged":
             self._unsettled.add(ev.step)
-        elif ev.stage in ("committed", "failed"):
+        elif ev.stage in ("committed", "failed", "exists"):
             self._unsettled = {s for s in self._unsettled if s > ev.step}
         if ev.stage == "committed":
             self._committed_step = max(self._committed_step, ev.step)

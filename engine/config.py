@@ -459,6 +459,9 @@ def _check_cross_section(cfg: Config) -> None:
         _check_elastic(cfg)
     if cfg.run.nodes > 1 and cfg.run.master_port == 0:
         _fail("run.master_port = 0 picks a port on one machine only; with run.nodes > 1 set a fixed port")
+    if cfg.run.worker_memory_limit_bytes and cfg.checkpoint.memory_interval_steps:
+        _fail("checkpoint.memory_interval_steps with run.worker_memory_limit_bytes: the RAM tier's tmpfs pages count "
+              "against the ranks' memory limit, whose kills would read as the model's out-of-memory; set one to 0")
     if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps:
         _fail("checkpoint.memory_interval_steps: the RAM tier commits on one machine's tmpfs; with run.nodes > 1 "
               "set it to 0 (disk checkpoints only)")

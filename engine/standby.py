@@ -28,6 +28,9 @@ def hold(cfg: Config, fd: int) -> None:
     if env is None:
         sys.stdout.flush()
         os._exit(0)
-    os.environ.clear()
-    os.environ.update(env)
+    for name in [k for k in os.environ if k not in env]:      # only what differs: MindSpore's threads read it
+        del os.environ[name]
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
     startup.restart()

@@ -2,6 +2,7 @@
 step and resume continues bit-exactly — with the ranks held, and with them released and restarted
 from the pause checkpoint; status and logs tell the operator what happened."""
 import json
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -98,6 +99,9 @@ def test_a_long_pause_releases_the_ranks_and_resume_restarts_them_bit_exactly(cl
     run = tmp_path / "run"
     proc = _pause_mid_run(cli, quiet_env, run, stdlib_corpus, "run.pause_release_after_s=1")
     _wait_for(lambda: _named(run, "released"), what="the ranks' release")
+    standby = [pid for e in _named(run, "standby_started") for pid in e["pids"].values()]
+    _wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in standby), timeout_s=30,
+              what="the standby's processes to end with the release")
     text = subprocess.run([*cli, "status", str(run)], env=quiet_env, capture_output=True, text=True,
                           check=True).stdout
     assert "paused" in text
@@ -106,6 +110,7 @@ def test_a_long_pause_releases_the_ranks_and_resume_restarts_them_bit_exactly(cl
     assert proc.returncode == 0, err[-2000:]
     starts = _named(run, "generation_start")
     assert len(starts) == 2 and starts[1]["resume_step"] == _named(run, "paused")[0]["step"]
+    assert starts[1]["standby"] is False                  # released with the ranks: the machine was freed
     losses, digests = reference
     assert _steps(run, 0) == losses and _digests(run) == digests
     lines = subprocess.run([*cli, "logs", str(run), "--event", "paused", "--event", "released"], env=quiet_env,

@@ -30,11 +30,28 @@ def _envs(port="5000", **more):
 
 def test_a_standby_fits_only_the_config_ranks_and_mindspore_environment_it_started_with():
     standby = Standby(CFG, 5000, (0, 1), _envs(), [], {})
-    assert standby.unusable(CFG, [0, 1], _envs(LLM_PRETRAIN_RECOVERY="/run/recovery.json")) is None
+    now = standby.started_at + 1
+    assert standby.unusable(CFG, [0, 1], _envs(LLM_PRETRAIN_RECOVERY="/run/recovery.json"), now) is None
     assert "config changed" in standby.unusable(with_changes(CFG, {"train.micro_batch": 2,
-                                                                   "train.grad_accum_steps": 2}), [0, 1], _envs())
-    assert "ranks are now [0]" in standby.unusable(CFG, [0], _envs())
-    assert "MindSpore environment" in standby.unusable(CFG, [0, 1], _envs(MS_COMPILER_CACHE_PATH="/elsewhere"))
+                                                                   "train.grad_accum_steps": 2}), [0, 1], _envs(), now)
+    assert "ranks are now [0]" in standby.unusable(CFG, [0], _envs(), now)
+    assert "MindSpore environment" in standby.unusable(CFG, [0, 1], _envs(MS_COMPILER_CACHE_PATH="/elsewhere"), now)
+    assert "larger than a pipe" in standby.unusable(CFG, [0, 1], _envs(BIG="x" * 70_000), now)
+
+
+def test_a_standby_whose_cluster_never_formed_is_not_used():
+    standby = Standby(CFG, 5000, (0, 1), _envs(), [], {})
+    late = standby.started_at + 61
+    assert "has not formed in 60 s" in standby.unusable(CFG, [0, 1], _envs(), late)
+    assert not standby.ready(0, late) and standby.ready(1, late)          # every rank reported: formed
+    assert standby.unusable(CFG, [0, 1], _envs(), late) is None
+
+
+def test_the_ram_tier_and_a_memory_limit_do_not_go_together():
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="tmpfs pages count against the ranks' memory limit"):
+        load_config(None, ["checkpoint.memory_interval_steps=5", "run.worker_memory_limit_bytes=1000000000"])
 
 
 def test_an_activation_carries_the_whole_environment_and_a_closed_pipe_retires(tmp_path):

@@ -312,6 +312,9 @@ def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
     ckpt(20, "staged")
     ckpt(20, "failed")
     assert not w.saving
+    ckpt(30, "staged")
+    ckpt(30, "exists")                    # already committed (a save of a step restored from)
+    assert not w.saving
 
 
 def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exits_65():

@@ -1,0 +1,126 @@
+"""Goodput under random rank kills: how much of an uninterrupted run's progress a run keeps.
+
+Tiny config, two real ranks, the daemon as shipped (warm standby on) plus the
+RAM tier (checkpoint.memory_interval_steps=1; disk every 50). For each mean kill
+interval: a soak of `--faults` × interval seconds in which a random rank is
+SIGKILLed at exponential intervals (measured from the previous kill), then
+SIGTERM (the run saves and stops); beside it, interleaved, an uninterrupted run
+of the same wall time. Goodput = the soak's final step / the uninterrupted
+run's final step — both pay the same start-up and compile, so only the faults
+differ. Per fault: recovery (kill → the next generation's first step) and steps
+lost (the step the daemon last saw − the step restored). Targets (issue 17):
+≥ 0.90 at a kill a minute, ≥ 0.97 at one every 5 minutes. Writes
+bench/results/goodput.json.
+
+    python bench/goodput.py [--intervals 60,300] [--faults 5] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from recovery import _at, _daemon, _events, _stop  # noqa: E402
+from daemon.state import RunState  # noqa: E402
+
+TARGETS = {60: 0.90, 300: 0.97}
+EXTRA = ["checkpoint.memory_interval_steps=1", "checkpoint.interval_steps=50"]
+
+
+def _final_step(run: Path) -> int:
+    exits = [json.loads(l) for l in (run / "logs" / "rank-0.log").read_text().splitlines()
+             if l.startswith('{"generation"') and '"exit"' in l]
+    return exits[-1]["step"] if exits else 0
+
+
+def soak(workdir: Path, corpus: Path, *, wall_s: float, interval_s: float | None, rng: random.Random) -> dict:
+    run = workdir / f"{'faults' if interval_s else 'clean'}-{time.monotonic_ns()}"
+    daemon = _daemon(run, corpus, cache=True, standby=True, extra=EXTRA)
+    started = time.time()
+    kills = []
+    try:
+        next_kill = started + rng.expovariate(1 / interval_s) if interval_s else float("inf")
+        while time.time() < started + wall_s:
+            time.sleep(0.05)
+            if time.time() < next_kill:
+                continue
+            try:
+                ranks = [p for p in RunState.load(run).processes if p["role"] == "rank" and not p.get("standby")]
+            except (OSError, ValueError):            # not written yet
+                ranks = []
+            if ranks:
+                victim = rng.choice(ranks)
+                try:
+                    os.kill(victim["pid"], signal.SIGKILL)
+                    kills.append(time.time())
+                except ProcessLookupError:
+                    pass
+            next_kill = time.time() + rng.expovariate(1 / interval_s)
+    finally:
+        _stop(daemon)
+    events = _events(run)
+    faults = []
+    for killed_at in kills:
+        crash = next((e for e in events if e["event"] == "crash" and _at(e) >= killed_at - 0.5), None)
+        if crash is None:
+            continue
+        nxt = lambda name: next((e for e in events if e["event"] == name and e.get("generation") == crash["generation"] + 1),
+                                None)
+        back, restored, start = nxt("first_step"), nxt("checkpoint_restored"), nxt("generation_start")
+        faults.append({"killed_at_s": round(killed_at - started, 2),
+                       "recovery_s": round(_at(back) - killed_at, 2) if back else None,
+                       "lost_steps": crash["step"] - restored["step"] if restored else None,
+                       "standby": bool(start and start.get("standby"))})
+    return {"final_step": _final_step(run), "wall_s": wall_s, "faults": faults}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--intervals", default="60,300", help="mean seconds between kills, comma-separated")
+    parser.add_argument("--faults", type=int, default=5, help="soak length in mean intervals")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    from engine.prepare import STDLIB, prepare
+
+    rng, results = random.Random(args.seed), []
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "stdlib"
+        prepare([STDLIB], corpus, log=open(os.devnull, "w"))
+        for interval in (float(i) for i in args.intervals.split(",")):
+            wall = args.faults * interval
+            faulty = soak(Path(tmp), corpus, wall_s=wall, interval_s=interval, rng=rng)
+            clean = soak(Path(tmp), corpus, wall_s=wall, interval_s=None, rng=rng)
+            results.append({"interval_s": interval, "goodput": faulty["final_step"] / max(1, clean["final_step"]),
+                            "faulty": faulty, "clean": clean, "target": TARGETS.get(int(interval))})
+
+    print("goodput under random rank kills (tiny, 2 ranks, warm standby, RAM tier every step)")
+    print(f"{'kill every':>11} {'soak s':>7} {'kills':>6} {'steps':>7} {'clean':>7} {'goodput':>8} {'target':>7} "
+          f"{'recovery s':>11} {'lost':>5}")
+    for r in results:
+        f = r["faulty"]["faults"]
+        rec = [x["recovery_s"] for x in f if x["recovery_s"] is not None]
+        lost = [x["lost_steps"] for x in f if x["lost_steps"] is not None]
+        target = f"{r['target']:.2f}" if r["target"] else "-"
+        print(f"{r['interval_s']:>10.0f}s {r['faulty']['wall_s']:>7.0f} {len(f):>6} {r['faulty']['final_step']:>7} "
+              f"{r['clean']['final_step']:>7} {r['goodput']:>8.3f} {target:>7} "
+              f"{statistics.median(rec) if rec else float('nan'):>11.2f} {statistics.median(lost) if lost else '-':>5}")
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "goodput.json").write_text(json.dumps({
+        "benchmark": "goodput", "config": "configs/tiny.toml (2 ranks)", "overrides": EXTRA, "results": results,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
