@@ -128,10 +128,13 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     """Ends a previous daemon's workers that are still alive (same pid and start time as recorded):
     first `grace_s` for them to exit by themselves — the kernel sent them SIGTERM when their daemon
     died (parent-death signal), and they are saving a checkpoint at their next step — then SIGKILL
-    to their process groups. Returns the records it had to kill."""
+    to their process groups. Only training ranks save: a scheduler or a standby is not waited for
+    (a scheduler outlives its ranks by MindSpore's heartbeat timeout). Returns the records it had
+    to kill."""
     alive = lambda recs: [r for r in recs if start_ticks(r["pid"]) == r.get("start_ticks")]
+    savers = [r for r in records if r.get("role") == "rank" and not r.get("standby")]
     deadline = time.monotonic() + grace_s
-    while alive(records) and time.monotonic() < deadline:
+    while alive(savers) and time.monotonic() < deadline:
         time.sleep(0.05)
     killed = alive(records)
     for rec in killed:
