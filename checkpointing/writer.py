@@ -53,7 +53,8 @@ def _write_durably(path: Path, data: bytes) -> None:
 class ShardWriter:
     def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
                  on_commit: Callable[[int], None] | None = None, keep_last: int | None = None,
-                 keep_every: int = 0, commit_timeout_s: float = 300.0, low_priority: bool = True):
+                 keep_every: int = 0, commit_timeout_s: float = 300.0, low_priority: bool = True,
+                 indent_manifest: bool = True):
         """`on_commit(step)` runs on rank 0's writer thread right after `step` is committed (an error
         it raises is reported like a failed save). `keep_last`/`keep_every`, for a writer used on
         its own, retire old checkpoints after each commit (retention.retire_old); None: never."""
@@ -64,6 +65,7 @@ class ShardWriter:
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout_s = commit_timeout_s
         self.low_priority = low_priority
+        self.indent_manifest = indent_manifest   # False: the C JSON encoder, 3x faster (the RAM tier's saves)
         self.last_error: BaseException | None = None   # of the latest save; None while it goes well
         self.last_committed: int | None = None
         self._thread: threading.Thread | None = None
@@ -131,7 +133,7 @@ class ShardWriter:
             blob = safetensors_bytes(tensors, metadata={"step": str(step), "rank": str(self.rank)})
             _write_durably(tmp / shard, blob)
             marker = {"file": shard, "sha256": hashlib.sha256(blob).hexdigest(), "size_bytes": len(blob),
-                      "tensors": {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}}
+                      "tensors": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in tensors.items()}}
             del blob
             _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
             durable.fsync_path(tmp)
@@ -180,7 +182,8 @@ class ShardWriter:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
                     "created_unix_s": time.time(), "versions": versions, "shards": shards,
                     "tensors": tensors, "run_state": run_state}
-        _write_durably(tmp / layout.MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        _write_durably(tmp / layout.MANIFEST, json.dumps(manifest, indent=1 if self.indent_manifest else None,
+                                                         sort_keys=True).encode())
         for m in markers:
             m.unlink()
         durable.fsync_path(tmp)

@@ -81,7 +81,7 @@ class TrainerCheckpoints:
                             if cfg.checkpoint.memory_interval_steps else None)
         self._memory_staging: dict[str, np.ndarray] = {}
         self.memory_writer = (ShardWriter(self.memory_root, rank=self.rank, world=self.world,
-                                          emit=self._emit_memory, keep_last=MEMORY_KEEP)
+                                          emit=self._emit_memory, keep_last=MEMORY_KEEP, indent_manifest=False)
                               if self.memory_root is not None else None)
 
     def _retire(self, step: int) -> None:
