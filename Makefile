@@ -35,6 +35,7 @@ bench: $(VENV)/.installed
 	$(BIN)/python bench/recovery.py
 	$(BIN)/python bench/memory_model.py
 	$(BIN)/python bench/dp_scaling.py
+	$(BIN)/python bench/goodput.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
