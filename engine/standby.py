@@ -21,6 +21,7 @@ def hold(cfg: Config, fd: int) -> None:
     """Forms the cluster, then blocks until activated: takes the activation's environment as this
     process's and restarts the start-up clock. Retired (the pipe closed): exits 0 at once, without
     MindSpore's finalisation, which would wait for a cluster that is going away."""
+    spawned = set(os.environ)                  # what the supervisor gave; MindSpore may add its own
     rank = runtime.setup(cfg).rank
     ready = PhaseEvent(rank=rank, generation=int(os.environ.get(ENV_GENERATION, "0")), phase="standby")
     EventSink(sys.stdout, os.environ.get(ENV_EVENT_SOCKET)).emit(ready, log=False)     # to the supervisor
@@ -28,8 +29,8 @@ def hold(cfg: Config, fd: int) -> None:
     if env is None:
         sys.stdout.flush()
         os._exit(0)
-    for name in [k for k in os.environ if k not in env]:      # only what differs: MindSpore's threads read it
-        del os.environ[name]
+    for name in [k for k in spawned if k not in env]:         # only what differs: MindSpore's threads read it
+        os.environ.pop(name, None)
     for name, value in env.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
