@@ -40,13 +40,13 @@ def mount_tmpfs(path: Path, size: str) -> None:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
 
 
-def wait_for(predicate, timeout_s: float = 240, what: str = "condition") -> None:
-    """Polls `predicate` every 0.2 s; fails the test after `timeout_s`."""
+def wait_for(predicate, timeout_s: float = 240, what: str = "condition", poll_s: float = 0.2) -> None:
+    """Polls `predicate` every `poll_s`; fails the test after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
             return
-        time.sleep(0.2)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 

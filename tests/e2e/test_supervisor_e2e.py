@@ -44,6 +44,18 @@ def _last_step(run, rank=0):
 STANDBY_STEPS = 300      # a standby forms its cluster while the first generation trains: ~10 s here
 
 
+def _saved(run: Path, generation: int = 1) -> dict[str, int]:
+    """The newest steps rank 0 logged as committed to disk and to the RAM tier in `generation`."""
+    newest = {"committed": 0, "in_memory": 0}
+    log = run / "logs" / "rank-0.log"
+    for line in (log.read_text().splitlines() if log.exists() else []):
+        if line.startswith('{"detail"') and '"kind": "checkpoint"' in line:
+            e = json.loads(line)
+            if e["generation"] == generation and e["stage"] in newest:
+                newest[e["stage"]] = max(newest[e["stage"]], e["step"])
+    return newest
+
+
 def _final_params(run: Path) -> set[str]:
     return {json.loads(l)["params_sha256"] for r in (0, 1) for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
             if l.startswith('{"generation"') and '"exit"' in l and '"finished"' in l}
@@ -54,6 +66,9 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
     proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=3",
                         steps=STANDBY_STEPS)
     _wait_for(lambda: _last_step(run) >= 25 and _named(_events(run), "standby_ready"), what="step 25 and a standby")
+    # kill while the RAM tier holds the newest checkpoint, a few steps before the next disk save
+    _wait_for(lambda: (lambda s: s["in_memory"] > s["committed"] and s["in_memory"] % 10 in (3, 6))(_saved(run)),
+              timeout_s=60, poll_s=0.01, what="a RAM checkpoint newer than the disk's")
     victim = next(p for p in RunState.load(run).processes if p["rank"] == 1 and not p.get("standby"))
     crashed_at = _last_step(run)
     os.kill(victim["pid"], signal.SIGKILL)
@@ -69,10 +84,10 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
     assert layout.committed_steps(run / "checkpoints")[-1] == STANDBY_STEPS
     start = _named(events, "generation_start")[1]
     assert start["standby"] is True and start["pids"] == _named(events, "standby_started")[0]["pids"]
-    # from the RAM tier (every 3 steps; the newest may still have been in flight), where the disk's (every 10)
-    # could cost 10
-    restored = next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
-    assert restored["path"].startswith("/dev/shm/llm-pretrain-") and 0 <= crash["step"] - restored["step"] <= 6
+    # from the RAM tier's newest commit (every 3 steps), where the disk's (every 10) would have cost more
+    saved, restored = _saved(run), next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
+    assert saved["in_memory"] > saved["committed"] and saved["in_memory"] <= restored["step"] <= crash["step"]
+    assert restored["path"].startswith("/dev/shm/llm-pretrain-")
     assert not list(Path("/dev/shm").glob(f"llm-pretrain-{(run / '.run-id').read_text().strip()}"))  # freed at the end
     back = next(e for e in events if e["event"] == "first_step" and e["generation"] == 2)
     print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}; "
