@@ -154,7 +154,11 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     state.config_changes = dict(published.get("config_changes") or {})
     state.recovery = Recovery.from_dict(published["recovery"]) if published.get("recovery") else None
     ledger.record(record, "incident", "error")
-    if own.to_dict() != (record.action.to_dict() if record.action else None):
+    # the skip window comes from the sample ranges a daemon has seen: a follower whose step datagrams of the
+    # incident's last steps had not come in yet would decide a shorter one, and that is no disagreement
+    seen_all = all(step in history.sample_ranges
+                   for step in range(record.incident.first_step, record.incident.last_step + 1))
+    if seen_all and own.to_dict() != (record.action.to_dict() if record.action else None):
         ledger.emit("decision_mismatch", level="critical", generation=record.generation,
                     applied=record.action.to_dict() if record.action else None, own=own.to_dict(),
                     detail="this node's policy decided otherwise than node 0's: the daemons are not deterministic "
