@@ -113,10 +113,12 @@ def quarantine(path: Path) -> Path | None:
     return target
 
 
-def find_latest(root: Path, *, before_step: int | None = None,
+def find_latest(root: Path, *, before_step: int | None = None, after_step: int | None = None,
+                accept: Callable[[dict[str, Any]], bool] | None = None,
                 on_quarantine: Callable[[Path, list[str]], None] | None = None,
                 quarantine_failed: bool = True) -> tuple[Path, dict[str, Any]] | None:
-    """The newest committed checkpoint (below `before_step` if given) that verifies.
+    """The newest committed checkpoint (below `before_step`, above `after_step` if given) that verifies
+    and whose manifest `accept` takes (if given).
 
     Ones that fail are quarantined (if `quarantine_failed`) and reported through
     `on_quarantine`; the search goes on with the next older one.
@@ -124,16 +126,21 @@ def find_latest(root: Path, *, before_step: int | None = None,
     for step in reversed(layout.committed_steps(root)):
         if before_step is not None and step >= before_step:
             continue
+        if after_step is not None and step <= after_step:
+            break
         path = layout.step_dir(root, step)
         problems = verify(path)
         if not problems:
-            return path, read_manifest(path)
+            manifest = read_manifest(path)
+            if accept is None or accept(manifest):
+                return path, manifest
+            continue
         if quarantine_failed and quarantine(path) is not None and on_quarantine is not None:
             on_quarantine(path, problems)
     return None
 
 
-def find_newest(disk: Path, memory: Path | None, *, accept: Callable[[dict[str, Any]], bool] = lambda m: True,
+def find_newest(disk: Path, memory: Path | None, *, accept: Callable[[dict[str, Any]], bool] | None = None,
                 on_quarantine: Callable[[Path, list[str]], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from: the RAM tier's newest (`memory`, a root of the same layout) when
     it is newer than every committed disk checkpoint, verifies, and `accept`s its manifest (the
@@ -141,16 +148,6 @@ def find_newest(disk: Path, memory: Path | None, *, accept: Callable[[dict[str, 
     is never committed, a corrupt one fails verification (and is quarantined), a wiped RAM tier (a
     reboot) is empty: either way the disk's answer stands."""
     on_disk = layout.committed_steps(disk)
-    if memory is not None and memory.is_dir():
-        for step in reversed(layout.committed_steps(memory)):
-            if on_disk and step <= on_disk[-1]:
-                break
-            path = layout.step_dir(memory, step)
-            if problems := verify(path):
-                if quarantine(path) is not None and on_quarantine is not None:
-                    on_quarantine(path, problems)
-                continue
-            manifest = read_manifest(path)
-            if accept(manifest):
-                return path, manifest
-    return find_latest(disk, on_quarantine=on_quarantine)
+    found = find_latest(memory, after_step=on_disk[-1] if on_disk else None, accept=accept,
+                        on_quarantine=on_quarantine) if memory is not None else None
+    return found or find_latest(disk, on_quarantine=on_quarantine)
