@@ -8,7 +8,8 @@ compile time does not grow with k) and one compiled update finishes the step.
 
 Invariants (README, Numerics):
 - non-finite gradients are never applied, in any precision: the step is
-  skipped, reported, and parameters and optimizer state stay bit-identical;
+  skipped, reported, and parameters and optimizer state stay bit-identical
+  (the check is the global norm's: a NaN or Inf anywhere makes it non-finite);
 - under data parallel, gradients, the loss and the control flags are summed in one
   all-reduce per optimizer step (a flat buffer, as DDP buckets), and
   the reported loss and grad norm are global (identical on every rank);
@@ -59,6 +60,10 @@ class StepState(nn.Cell):
         if self.grad_clip > 0:
             coef = ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
             grads = [g * coef for g in grads]
+        return self._update(grads, finite, lr)
+
+    def _update(self, grads, finite, lr):
+        """Traced: AdamW with these (clipped) gradients unless not finite; the loss scale follows."""
         scale_used = self.scaler.scale * 1.0
         done = self.optimizer.update(grads, lr, finite)
         return ops.depend(done, self.scaler.adjust(finite)), scale_used
@@ -87,6 +92,8 @@ class TrainStep(StepState):
             [Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"grad_acc.{p.name}", requires_grad=False)
              for p in self.params] if self.accum_steps > 1 else [])
         self.loss_buffer = Parameter(Tensor(0.0, ms.float32), name="grad_acc.loss", requires_grad=False)
+        self.shapes = tuple(tuple(p.shape) for p in self.params)
+        self.grad_size = int(sum(np.prod(shape) for shape in self.shapes))
 
         def scaled_loss(tokens, targets, multiplier):
             loss = self.net(tokens, targets)
@@ -105,32 +112,40 @@ class TrainStep(StepState):
         (_, loss), grads = self._grad_fn(inputs, targets, self.scaler.scale * poison)
         return loss, grads
 
-    def _reduce_over_ranks(self, grads, loss, control):
-        """One all-reduce for everything ranks agree on, the way DDP buckets gradients: every
-        gradient flattened, then the loss and the control flags, summed in one flat fp32 buffer
-        (one collective per step instead of one per parameter), split back and divided by dp."""
+    def _flatten_and_reduce(self, grads, loss, control):
+        """Every gradient flattened into one fp32 buffer, the way DDP buckets them. Under data
+        parallel the loss and the control flags ride at its end and the buffer is summed over the
+        ranks in one all-reduce (one collective per step, not one per parameter).
+        Returns (flat gradients summed over ranks, loss summed over ranks, control summed)."""
+        parts = [g.astype(ms.float32).reshape(-1) for g in grads]
         if self.all_reduce is None:
-            return grads, loss, control
-        flat = ops.concat([g.astype(ms.float32).reshape(-1) for g in grads] +
-                          [loss.astype(ms.float32).reshape(1), control.astype(ms.float32)])
-        summed = self.all_reduce(flat)
-        out, at = [], 0
-        for g in grads:
-            out.append(summed[at:at + g.size].reshape(g.shape) / self.dp)
-            at += g.size
+            return ops.concat(parts), loss, control
+        n = self.grad_size
+        summed = self.all_reduce(ops.concat(parts + [loss.astype(ms.float32).reshape(1),
+                                                     control.astype(ms.float32)]))
         # CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24
-        return out, summed[at] / self.dp, summed[at + 1:].astype(ms.int32)
+        return summed[:n], summed[n], summed[n + 1:].astype(ms.int32)
 
     def _apply(self, grads, loss, lr, control):
-        """grads: summed over this rank's micro-batches, still scaled; loss: summed likewise."""
-        inv = 1.0 / (self.scaler.scale * self.accum_steps)
-        grads, loss, agreed = self._reduce_over_ranks(grads, loss, control)
-        grads = [g * inv for g in grads]
-        loss = loss / self.accum_steps
-        finite = ms.amp.all_finite(grads)
-        sq = [ops.reduce_sum(g * g) for g in grads]
-        grad_norm = ops.sqrt(ops.addn(sq))
-        done, scale_used = self._clip_and_update(grads, grad_norm, finite, lr)
+        """grads: summed over this rank's micro-batches, still scaled; loss: summed likewise.
+
+        Unscaling, the finite check, the global norm and clipping run on the one flat buffer (a
+        handful of kernels, where per-parameter ops cost ~7 launches per parameter); only the
+        split and AdamW's update are per parameter. A NaN or Inf anywhere makes the sum of
+        squares, hence the norm, non-finite, so the norm is the finite check."""
+        flat, loss, agreed = self._flatten_and_reduce(grads, loss, control)
+        flat = flat * (1.0 / (self.scaler.scale * self.accum_steps * self.dp))
+        loss = loss / (self.accum_steps * self.dp)
+        grad_norm = ops.sqrt(ops.reduce_sum(ops.square(flat)))
+        finite = ops.isfinite(grad_norm)
+        if self.grad_clip > 0:
+            flat = flat * ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
+        out, at = [], 0
+        for shape in self.shapes:
+            size = int(np.prod(shape))
+            out.append(flat[at:at + size].reshape(shape))
+            at += size
+        done, scale_used = self._update(out, finite, lr)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
 
     def _fused_step(self, tokens, lr, poison, control):
