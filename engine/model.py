@@ -10,6 +10,15 @@ Parameters are fp32; matmuls run in the compute dtype (fp32, fp16; bf16 on
 Ascend), norms, softmax and the loss in fp32. Only ops with CPU kernels are
 used (no mint RmsNorm/LayerNormExt/GeluExt). Initialisation draws from numpy
 with the config's seed, so every data-parallel rank starts from the same weights.
+
+On the CPU (`explicit_broadcast`), no element-wise op broadcasts an operand
+implicitly over activations: MindSpore's CPU Add/Sub/Mul kernels that broadcast
+keep a private buffer of 4-5x their output for the life of the graph (measured:
+a (B,kv,rep,T,T) + (T,T) mask add, RoPE's (T,d) tables, RMSNorm's weight, and
+the Sub in Softmax's stock gradient), which made small-20m's step 8.9 GB. The
+smaller operand is broadcast first (`ops.broadcast_to`), Softmax gets a gradient
+written that way, and rotate-half is a ±1 permutation matmul; the numbers are
+bit-identical. Ascend keeps the plain forms, which its parallel strategies name.
 """
 from __future__ import annotations
 
@@ -60,33 +69,66 @@ class Linear(nn.Cell):
         return y.reshape(lead + (-1,))
 
 
+def _like(small, x, explicit: bool):
+    """`small` broadcast to x's shape when `explicit` (the CPU: see the module's docstring), else as is."""
+    return ops.broadcast_to(small, x.shape) if explicit else small
+
+
 class RMSNorm(nn.Cell):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, explicit_broadcast: bool = False):
         super().__init__()
         self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
         self.eps = eps
+        self.explicit = explicit_broadcast
         self.mul = ops.Mul()                 # x * weight: split along the tokens under sequence parallelism
 
     def construct(self, x):
         x = x.astype(ms.float32)
-        return self.mul(x * ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps), self.weight)
+        inv_rms = ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
+        return self.mul(x * _like(inv_rms, x, self.explicit), _like(self.weight, x, self.explicit))
 
 
 class LayerNorm(nn.Cell):
     """Written out: LayerNormExt has no CPU kernel."""
 
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, explicit_broadcast: bool = False):
         super().__init__()
         self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
         self.bias = Parameter(_Init.const((size,), 0.0), name="bias")
         self.eps = eps
+        self.explicit = explicit_broadcast
 
     def construct(self, x):
         x = x.astype(ms.float32)
-        mean = x.mean(-1, keep_dims=True)
-        centred = x - mean
+        e = self.explicit
+        centred = x - _like(x.mean(-1, keep_dims=True), x, e)
         var = (centred * centred).mean(-1, keep_dims=True)
-        return centred * ops.rsqrt(var + self.eps) * self.weight + self.bias
+        return centred * _like(ops.rsqrt(var + self.eps), x, e) * _like(self.weight, x, e) + _like(self.bias, x, e)
+
+
+class Softmax(nn.Cell):
+    """Softmax over the last axis whose gradient, out * (dout - sum(dout * out)), broadcasts explicitly
+    (the stock gradient's broadcasting Sub is one of the CPU kernels that hoard memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.softmax = ops.Softmax(-1)
+
+    def construct(self, x):
+        return self.softmax(x)
+
+    def bprop(self, x, out, dout):
+        dot = (dout * out).sum(-1, keepdims=True)
+        return (out * (dout - ops.broadcast_to(dot, out.shape)),)
+
+
+def rotate_half_matrix(head_dim: int) -> np.ndarray:
+    """R with x @ R == rotate_half(x) exactly: each output is one input times ±1, plus zeros."""
+    half = head_dim // 2
+    r = np.zeros((head_dim, head_dim), np.float32)
+    r[np.arange(half) + half, np.arange(half)] = -1.0       # out[i] = -x[i + half]
+    r[np.arange(half), np.arange(half) + half] = 1.0        # out[i + half] = x[i]
+    return r
 
 
 def rotary_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +145,8 @@ def rotate_half(x):
 
 
 class Attention(nn.Cell):
-    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, rotary: bool):
+    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, rotary: bool,
+                 explicit_broadcast: bool = False):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         bias = cfg.arch == "gpt2"
@@ -117,10 +160,21 @@ class Attention(nn.Cell):
         self.compute_dtype = compute_dtype
         # primitives, not functions, so semi-auto parallel can split them by heads (engine/sharding.py)
         self.qk, self.pv, self.softmax = ops.BatchMatMul(), ops.BatchMatMul(), ops.Softmax(-1)
+        self.explicit = explicit_broadcast
+        if explicit_broadcast:
+            self.softmax = Softmax()
+            self.rotate = ops.MatMul()
+            self.rotation = Tensor(rotate_half_matrix(d))
 
     def _heads(self, x, n):
         b, t, _ = x.shape
         return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)        # (B, n, T, d)
+
+    def _rope(self, x, cos, sin):
+        if not self.explicit:
+            return x * cos + rotate_half(x) * sin
+        rotated = self.rotate(x.reshape(-1, self.head_dim), ops.stop_gradient(self.rotation)).reshape(x.shape)
+        return x * ops.broadcast_to(cos, x.shape) + rotated * ops.broadcast_to(sin, x.shape)
 
     def construct(self, x, cos, sin, mask):
         b, t, _ = x.shape
@@ -129,15 +183,16 @@ class Attention(nn.Cell):
         k = self._heads(self.k_proj(x), kv).astype(ms.float32)
         v = self._heads(self.v_proj(x), kv)
         if self.rotary:
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q = self._rope(q, cos, sin)
+            k = self._rope(k, cos, sin)
         # Grouped-query attention without repeating k/v (whose broadcast has a slow
         # gradient on CPU): query head h uses kv head h // rep, as Hugging Face's
         # repeat_kv does, so fold each group's rep query heads into the row axis.
         cd = self.compute_dtype
         q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
         scores = self.qk(q.astype(cd), k.astype(cd).transpose(0, 1, 3, 2)).astype(ms.float32)
-        scores = scores.reshape(b, kv, rep, t, t) * self.scale + mask          # (B, kv, rep, T, T)
+        scores = scores.reshape(b, kv, rep, t, t) * self.scale                 # (B, kv, rep, T, T)
+        scores = scores + _like(mask, scores, self.explicit)
         probs = self.softmax(scores).reshape(b, kv, rep * t, t)
         out = self.pv(probs.astype(cd), v.astype(cd))                         # (B, kv, rep*T, d)
         out = out.reshape(b, self.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * d)
@@ -170,14 +225,15 @@ class GeluMLP(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype):
+    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         llama = cfg.arch == "llama"
         norm = RMSNorm if llama else LayerNorm
-        self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama)
-        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps)
+        e = explicit_broadcast
+        self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e)
+        self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama, explicit_broadcast=e)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e)
         self.mlp = (SwiGLU if llama else GeluMLP)(cfg, init, out_std, compute_dtype)
         self.add_attn, self.add_mlp = ops.Add(), ops.Add()     # the residuals (split like the norms)
 
@@ -201,13 +257,16 @@ class Embedding(nn.Cell):
 class DecoderModel(nn.Cell):
     """The trunk, named like Hugging Face's `LlamaModel` (`model.` prefix in the full network)."""
 
-    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype):
+    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False):
         super().__init__()
+        self.explicit = explicit_broadcast
         self.embed_tokens = Embedding(init.normal((cfg.vocab_size, cfg.hidden_size)))
         self.embed_positions = (Embedding(init.normal((cfg.max_seq_len, cfg.hidden_size)))
                                 if cfg.arch == "gpt2" else None)
-        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype) for _ in range(cfg.num_layers)])
-        self.norm = (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.hidden_size, cfg.norm_eps)
+        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype, explicit_broadcast)
+                                   for _ in range(cfg.num_layers)])
+        self.norm = (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.hidden_size, cfg.norm_eps,
+                                                                    explicit_broadcast)
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, dtype=np.float32), k=1)
@@ -217,7 +276,7 @@ class DecoderModel(nn.Cell):
         t = tokens.shape[1]
         x = self.embed_tokens(tokens)                                         # (B, T, hidden)
         if self.embed_positions is not None:
-            x = x + self.embed_positions.weight[:t]
+            x = x + _like(self.embed_positions.weight[:t], x, self.explicit)
         cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
@@ -228,12 +287,13 @@ class CausalLM(nn.Cell):
     """tokens (B, T) → mean next-token cross-entropy; `logits` exposes the (B, T, vocab) scores."""
 
 
-    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0):
+    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
+                 explicit_broadcast: bool = False):
         super().__init__()
         init = _Init(seed, cfg.init_std)
         dtype = DTYPES[compute_dtype]
         self.config = cfg
-        self.model = DecoderModel(cfg, init, dtype)
+        self.model = DecoderModel(cfg, init, dtype, explicit_broadcast)
         self.lm_head = None if cfg.tie_embeddings else Linear(init, cfg.hidden_size, cfg.vocab_size,
                                                               compute_dtype=dtype)
         self.compute_dtype = dtype
@@ -281,8 +341,10 @@ class PipelinedCausalLM(CausalLM):
     except in tests."""
 
     @ms.lazy_inline
-    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0):
-        super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers)
+    def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
+                 explicit_broadcast: bool = False):
+        super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers,
+                         explicit_broadcast=explicit_broadcast)
 
 
 def build_model(config) -> CausalLM:
@@ -291,7 +353,7 @@ def build_model(config) -> CausalLM:
 
     cls = PipelinedCausalLM if config.parallel.pp > 1 else CausalLM
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
-              recompute_layers=config.recompute_layers)
+              recompute_layers=config.recompute_layers, explicit_broadcast=config.train.device == "cpu")
     sharding.apply_to_model(net, config)
     return net
 
