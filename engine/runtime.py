@@ -44,6 +44,12 @@ def check_process_count(cfg: Config, env: Mapping[str, str] = os.environ) -> Non
                           "a single process runs only 1 (start ranks with `llm-pretrain run`)")
 
 
+# The CPU memory pool's block (MindSpore's default is 1 GiB blocks on the CPU). Measured on small-20m,
+# micro-batch 16: with 1 GiB blocks the second step touches fresh pages of a third block (peak RSS
+# 4.27 -> 5.06 GB, and that step runs 2 s slower); with 0.25-0.5 GB blocks the peak stays at the first
+# step's 4.27 GB. A tensor larger than a block still gets a block of its own size.
+CPU_POOL_BLOCK = "0.25GB"
+
 _formed: tuple[tuple, RankInfo] | None = None     # what setup did in this process, and for which settings
 
 
@@ -78,6 +84,7 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     ms.set_device("CPU" if cfg.train.device == "cpu" else "Ascend")
     if cfg.train.device == "cpu":
         ms.device_context.cpu.op_tuning.threads_num(compute_threads(cfg, local_world))
+        ms.runtime.set_memory(init_size=CPU_POOL_BLOCK, increase_size=CPU_POOL_BLOCK)
     ms.set_seed(cfg.train.seed)
     if not member:
         return RankInfo(rank=0, world_size=1, local_world_size=1)
