@@ -29,6 +29,7 @@ test-fast: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/vs_pytorch.py --recompute
 	$(BIN)/python bench/data_throughput.py
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/ram_tier.py
