@@ -18,7 +18,11 @@ Invariants (README, Numerics):
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import sys
 import time
+from typing import Callable, Mapping
 
 import mindspore as ms
 import numpy as np
@@ -29,6 +33,7 @@ from engine.config import Config
 from engine.loss_scale import LossScaler
 from engine.model import CausalLM
 from engine.optim import AdamW
+from engine.local_reduce import LocalAllReduce
 from engine.parallel import Reduction
 
 
@@ -77,7 +82,10 @@ class TrainStep(StepState):
     """DATA_PARALLEL (and one rank): every rank holds the whole model; the step reduces gradients itself.
     Semi-auto parallel layouts use engine.sharded_step instead (engine.parallel.reduction says which)."""
 
-    def __init__(self, net: CausalLM, cfg: Config, *, reduction: Reduction | None = None):
+    def __init__(self, net: CausalLM, cfg: Config, *, reduction: Reduction | None = None,
+                 local_reduce: Callable[[int], LocalAllReduce] | None = None):
+        """local_reduce: given the buffer's size, the shared-memory sum to use instead of MindSpore's
+        AllReduce (engine.local_reduce; every rank on this machine)."""
         super().__init__(net, cfg)
         self.accum_steps = cfg.train.grad_accum_steps
         reduction = reduction or parallel.reduction(cfg)
@@ -105,6 +113,12 @@ class TrainStep(StepState):
         self._fused = ms.jit(self._fused_step)
         self._accumulate = ms.jit(self._accumulate_step)
         self._finish = ms.jit(self._finish_step)
+        self.local, self._make_local = None, None
+        if self.all_reduce is not None and local_reduce is not None:
+            self._make_local = local_reduce         # sized at the first step, by its control vector
+            self._local_fused = ms.jit(self._local_fused_step)
+            self._local_finish = ms.jit(self._local_finish_step)
+            self._apply_summed = ms.jit(self._apply_summed_step)
 
     # Traced pieces ---------------------------------------------------------
     def _backward(self, tokens, poison):
@@ -134,6 +148,10 @@ class TrainStep(StepState):
         split and AdamW's update are per parameter. A NaN or Inf anywhere makes the sum of
         squares, hence the norm, non-finite, so the norm is the finite check."""
         flat, loss, agreed = self._flatten_and_reduce(grads, loss, control)
+        return self._apply_flat(flat, loss, lr, agreed)
+
+    def _apply_flat(self, flat, loss, lr, agreed):
+        """flat: every gradient, summed over ranks and micro-batches, still scaled; loss likewise."""
         flat = flat * (1.0 / (self.scaler.scale * self.accum_steps * self.dp))
         loss = loss / (self.accum_steps * self.dp)
         grad_norm = ops.sqrt(ops.reduce_sum(ops.square(flat)))
@@ -147,6 +165,26 @@ class TrainStep(StepState):
             at += size
         done, scale_used = self._update(out, finite, lr)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
+
+    def _local_buffer(self, grads, loss, control):
+        """What a rank contributes to the shared-memory sum: its gradients, loss and flags, flat."""
+        return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads] +
+                          [loss.astype(ms.float32).reshape(1), control.astype(ms.float32)])
+
+    def _local_fused_step(self, tokens, poison, control):
+        loss, grads = self._backward(tokens, poison)
+        return self._local_buffer(grads, loss, control)
+
+    def _local_finish_step(self, control):
+        out = self._local_buffer([buf * 1.0 for buf in self.grad_buffers], self.loss_buffer * 1.0, control)
+        done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
+        for buf in self.grad_buffers:
+            done = ops.depend(done, ops.assign(buf, ops.zeros_like(buf)))
+        return ops.depend(out, done)
+
+    def _apply_summed_step(self, summed, lr):
+        n = self.grad_size
+        return self._apply_flat(summed[:n], summed[n], lr, summed[n + 1:].astype(ms.int32))
 
     def _fused_step(self, tokens, lr, poison, control):
         loss, grads = self._backward(tokens, poison)
@@ -178,7 +216,10 @@ class TrainStep(StepState):
         lr_t = Tensor(lr, ms.float32)
         poison_t = Tensor(poison, ms.float32)
         control_t = Tensor(np.zeros(1, np.int32) if control is None else control.astype(np.int32))
-        if self.accum_steps == 1:
+        if self._make_local is not None:
+            out = self._run_local(micro_batches, lr_t, poison_t, control_t)
+            synced = out.pop()
+        elif self.accum_steps == 1:
             synced = time.perf_counter()
             out = self._fused(Tensor(micro_batches[0]), lr_t, poison_t, control_t)
         else:
@@ -191,15 +232,62 @@ class TrainStep(StepState):
                           skipped=bool(skipped), control=tuple(int(v) for v in agreed),
                           sync_s=time.perf_counter() - synced)
 
+    def _run_local(self, micro_batches, lr_t, poison_t, control_t) -> list:
+        """The step with the shared-memory sum between the backward and the update graphs;
+        returns the update's outputs and, last, when the sum began."""
+        if self.accum_steps == 1:
+            local = self._local_fused(Tensor(micro_batches[0]), poison_t, control_t)
+        else:
+            for micro in micro_batches:
+                self._accumulate(Tensor(micro), poison_t)
+            local = self._local_finish(control_t)
+        synced = time.perf_counter()
+        local = local.asnumpy()
+        if self.local is None:
+            self.local = self._make_local(local.size)
+            print(f"llm-pretrain: rank {self.local.rank} sums gradients with its {self.local.world - 1} local "
+                  "peer(s) through shared memory", file=sys.stderr, flush=True)
+        summed = self.local.all_reduce(local)
+        return [*self._apply_summed(Tensor.from_numpy(summed), lr_t), synced]
+
     def compile(self, micro_batches: np.ndarray) -> None:
         """Nothing to do ahead: the first step compiles, and whole tensors load before it."""
 
 
-def build_step(net: CausalLM, cfg: Config, *, rank: int = 0):
+def build_step(net: CausalLM, cfg: Config, *, rank: int = 0, world: int = 1, local_world: int = 1,
+               env: Mapping[str, str] = os.environ):
     """The step for the config's parallel mode: the hand-reduced TrainStep under DATA_PARALLEL, the
-    framework-reduced ShardedTrainStep under semi-auto parallel."""
+    framework-reduced ShardedTrainStep under semi-auto parallel. Data-parallel CPU ranks that all
+    share this machine sum their gradients through shared memory (`parallel.local_reduce`)."""
     if parallel.mode(cfg) == parallel.SEMI_AUTO:
         from engine.sharded_step import ShardedTrainStep
 
         return ShardedTrainStep(net, cfg, rank=rank, run_dir=cfg.run.resolved_dir())
-    return TrainStep(net, cfg)
+    local = None
+    if (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1 and world > 1
+            and local_world == world
+            and env.get("MS_SCHED_PORT")):
+        tag = f"{os.getuid()}-{env.get('MS_SCHED_HOST', '')}-{env['MS_SCHED_PORT']}"
+        local = functools.partial(_local_all_reduce, rank=rank, world=world, tag=tag)
+    return TrainStep(net, cfg, local_reduce=local)
+
+
+def _local_all_reduce(size: int, *, rank: int, world: int, tag: str) -> LocalAllReduce:
+    return LocalAllReduce(rank=rank, world=world, size=size, tag=tag, barrier=_cluster_barrier)
+
+
+_barrier_fn = None
+
+
+def _cluster_barrier() -> None:
+    """Every rank of MindSpore's cluster reaches this point (an all-reduce of one float)."""
+    global _barrier_fn
+    if _barrier_fn is None:
+        all_reduce = ops.AllReduce()
+
+        @ms.jit
+        def barrier(x):
+            return all_reduce(x)
+
+        _barrier_fn = barrier
+    _barrier_fn(Tensor(np.ones(1, np.float32))).asnumpy()

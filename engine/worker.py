@@ -42,7 +42,8 @@ class Trainer:
         self.cfg, self.rank_info, self.generation = cfg, rank_info, generation
         self.overrides = list(overrides)
         self.net = build_model(cfg)
-        self.step_fn = build_step(self.net, cfg, rank=rank_info.rank)
+        self.step_fn = build_step(self.net, cfg, rank=rank_info.rank, world=rank_info.world_size,
+                                  local_world=rank_info.local_world_size)
         self.source = source if source is not None else data.open_source(cfg)
         self.skips: list[tuple[int, int]] = []   # global sample ranges never trained on (set_skips)
         self.step = 0                      # optimizer steps completed

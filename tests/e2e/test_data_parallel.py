@@ -32,3 +32,27 @@ def test_two_ranks_stay_identical_and_match_one_process(cli, quiet_env, tmp_path
     # the same global batch split over two ranks follows the single-process trajectory
     for a, s in zip(steps0, [e for e in alone if e["kind"] == "step"]):
         assert a["loss"] == pytest.approx(s["loss"], rel=2e-4), a["step"]
+
+
+def test_the_shared_memory_sum_trains_exactly_as_mindspores_all_reduce(cli, quiet_env, tmp_path, stdlib_corpus):
+    """Two local CPU ranks sum their gradients through /dev/shm (parallel.local_reduce, the default);
+    with it off they use MindSpore's AllReduce: the same losses, grad norms and parameters, to the bit,
+    with gradient accumulation too (the finishing graph's buffer)."""
+    from tests.e2e.cluster import Cluster
+
+    runs = {}
+    for local in (True, False):
+        args = ["--set", f'data.path="{stdlib_corpus}"', "--set", "train.steps=8", "--set", "parallel.dp=2",
+                "--set", "train.micro_batch=2", "--set", "train.grad_accum_steps=2",
+                "--set", f"parallel.local_reduce={str(local).lower()}", "--set", f'run.dir="{tmp_path / str(local)}"']
+        workdir = tmp_path / f"w{local}"
+        workdir.mkdir()
+        cluster = Cluster(cli, quiet_env, workdir, args)
+        assert cluster.wait() == [0, 0], cluster.tail()
+        said = [log.read_text() for log in cluster.logs]
+        assert all(("through shared memory" in text) == local for text in said), said
+        runs[local] = [cluster.events(r) for r in range(2)]
+    for rank in range(2):
+        shm, ms_ = ([(e["loss"], e["grad_norm"]) for e in runs[k][rank] if e["kind"] == "step"] for k in (True, False))
+        assert len(shm) == 8 and shm == ms_
+        assert runs[True][rank][-1]["params_sha256"] == runs[False][rank][-1]["params_sha256"]
