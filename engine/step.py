@@ -11,7 +11,8 @@ Invariants (README, Numerics):
   skipped, reported, and parameters and optimizer state stay bit-identical
   (the check is the global norm's: a NaN or Inf anywhere makes it non-finite);
 - under data parallel, gradients, the loss and the control flags are summed in one
-  all-reduce per optimizer step (a flat buffer, as DDP buckets), and
+  all-reduce per optimizer step (a flat buffer, as DDP buckets; through shared memory
+  when every rank is on this machine, engine/local_reduce.py), and
   the reported loss and grad norm are global (identical on every rank);
 - the reported grad norm is that of the unscaled, unclipped gradients.
 """
@@ -32,8 +33,8 @@ from engine import parallel
 from engine.config import Config
 from engine.loss_scale import LossScaler
 from engine.model import CausalLM
-from engine.optim import AdamW
 from engine.local_reduce import LocalAllReduce
+from engine.optim import AdamW
 from engine.parallel import Reduction
 
 
@@ -131,13 +132,19 @@ class TrainStep(StepState):
         parallel the loss and the control flags ride at its end and the buffer is summed over the
         ranks in one all-reduce (one collective per step, not one per parameter).
         Returns (flat gradients summed over ranks, loss summed over ranks, control summed)."""
-        parts = [g.astype(ms.float32).reshape(-1) for g in grads]
         if self.all_reduce is None:
-            return ops.concat(parts), loss, control
+            return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads]), loss, control
+        return self._split(self.all_reduce(self._buffer(grads, loss, control)))
+
+    def _buffer(self, grads, loss, control):
+        """What a rank contributes to the sum: its gradients, loss and control flags in one fp32 vector
+        (CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24)."""
+        return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads] +
+                          [loss.astype(ms.float32).reshape(1), control.astype(ms.float32)])
+
+    def _split(self, summed):
+        """A summed buffer → (flat gradients, loss, control flags)."""
         n = self.grad_size
-        summed = self.all_reduce(ops.concat(parts + [loss.astype(ms.float32).reshape(1),
-                                                     control.astype(ms.float32)]))
-        # CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24
         return summed[:n], summed[n], summed[n + 1:].astype(ms.int32)
 
     def _apply(self, grads, loss, lr, control):
@@ -166,25 +173,23 @@ class TrainStep(StepState):
         done, scale_used = self._update(out, finite, lr)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
 
-    def _local_buffer(self, grads, loss, control):
-        """What a rank contributes to the shared-memory sum: its gradients, loss and flags, flat."""
-        return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads] +
-                          [loss.astype(ms.float32).reshape(1), control.astype(ms.float32)])
-
     def _local_fused_step(self, tokens, poison, control):
         loss, grads = self._backward(tokens, poison)
-        return self._local_buffer(grads, loss, control)
+        return self._buffer(grads, loss, control)
 
     def _local_finish_step(self, control):
-        out = self._local_buffer([buf * 1.0 for buf in self.grad_buffers], self.loss_buffer * 1.0, control)
+        out = self._buffer([buf * 1.0 for buf in self.grad_buffers], self.loss_buffer * 1.0, control)
+        return ops.depend(out, self._zero_buffers())
+
+    def _apply_summed_step(self, summed, lr):
+        flat, loss, agreed = self._split(summed)
+        return self._apply_flat(flat, loss, lr, agreed)
+
+    def _zero_buffers(self):
         done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
         for buf in self.grad_buffers:
             done = ops.depend(done, ops.assign(buf, ops.zeros_like(buf)))
-        return ops.depend(out, done)
-
-    def _apply_summed_step(self, summed, lr):
-        n = self.grad_size
-        return self._apply_flat(summed[:n], summed[n], lr, summed[n + 1:].astype(ms.int32))
+        return done
 
     def _fused_step(self, tokens, lr, poison, control):
         loss, grads = self._backward(tokens, poison)
@@ -201,10 +206,7 @@ class TrainStep(StepState):
         grads = [buf * 1.0 for buf in self.grad_buffers]
         loss = self.loss_buffer * 1.0
         out = self._apply(grads, loss, lr, control)
-        done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
-        for buf in self.grad_buffers:
-            done = ops.depend(done, ops.assign(buf, ops.zeros_like(buf)))
-        return ops.depend(out[0], done), out[1], out[2], out[3], out[4]
+        return ops.depend(out[0], self._zero_buffers()), out[1], out[2], out[3], out[4]
 
     # Python entry point ----------------------------------------------------
     def run(self, micro_batches: np.ndarray, lr: float, *, poison: float = 1.0,
