@@ -38,7 +38,7 @@ def one_run(config: str, steps: int, skip: int, dp: int) -> dict:
         global_batch = load_config(ROOT / config, []).train.global_batch
         sets = [f"parallel.dp={dp}", f"train.micro_batch={global_batch // dp}", "train.grad_accum_steps=1",
                 "train.compute_threads=1", f"train.steps={steps}", 'data.source="synthetic"',
-                "checkpoint.interval_steps=0", f"run.dir='{tmp}'"]
+                "checkpoint.interval_steps=0", f"run.dir='{tmp}'", "parallel.local_reduce=true"]
         argv = [sys.executable, "-m", "daemon.cli", "run", "--log-format", "json", *cfg_args]
         for s in sets:
             argv += ["--set", s]

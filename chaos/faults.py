@@ -94,7 +94,8 @@ def _kill_daemon(soak: "Soak", inj: Injection) -> None:
 def _fill_disk(soak: "Soak", inj: Injection) -> None:
     root = soak.run_dir / "checkpoints"
     keep = max(1 << 20, last_checkpoint_bytes(root) // 2)
-    size = shutil.disk_usage(root).free - keep
+    # before the first checkpoint there is no checkpoints/ yet: the run directory is on the same filesystem
+    size = shutil.disk_usage(root if root.is_dir() else soak.run_dir).free - keep
     if size > 0:
         fd = os.open(soak.run_dir / BALLAST, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

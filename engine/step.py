@@ -11,8 +11,8 @@ Invariants (README, Numerics):
   skipped, reported, and parameters and optimizer state stay bit-identical
   (the check is the global norm's: a NaN or Inf anywhere makes it non-finite);
 - under data parallel, gradients, the loss and the control flags are summed in one
-  all-reduce per optimizer step (a flat buffer, as DDP buckets; through shared memory
-  when every rank is on this machine, engine/local_reduce.py), and
+  all-reduce per optimizer step (a flat buffer, as DDP buckets; with parallel.local_reduce,
+  through shared memory when every rank is on this machine: engine/local_reduce.py), and
   the reported loss and grad norm are global (identical on every rank);
 - the reported grad norm is that of the unscaled, unclipped gradients.
 """
@@ -259,8 +259,8 @@ class TrainStep(StepState):
 def build_step(net: CausalLM, cfg: Config, *, rank: int = 0, world: int = 1, local_world: int = 1,
                env: Mapping[str, str] = os.environ):
     """The step for the config's parallel mode: the hand-reduced TrainStep under DATA_PARALLEL, the
-    framework-reduced ShardedTrainStep under semi-auto parallel. Data-parallel CPU ranks that all
-    share this machine sum their gradients through shared memory (`parallel.local_reduce`)."""
+    framework-reduced ShardedTrainStep under semi-auto parallel. With `parallel.local_reduce`,
+    data-parallel CPU ranks that all share this machine sum their gradients through shared memory."""
     if parallel.mode(cfg) == parallel.SEMI_AUTO:
         from engine.sharded_step import ShardedTrainStep
 
