@@ -28,6 +28,7 @@ from engine.drills import Drills
 from engine.events import EventSink
 from engine.feed import FedStep, feed
 from engine.startup import StartupClock
+from engine.stop_signal import StopSignal
 
 
 class Trainer:
@@ -166,20 +167,6 @@ class Trainer:
         return digest.hexdigest()
 
 
-class _StopSignal:
-    """SIGTERM/SIGINT set a flag the loop feeds into the next step; a second one exits at once."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        if self.requested:
-            os._exit(128 + signum)
-        self.requested = True
-
-
 STOP_SLOT = 0   # control vector: [stop flag, command window (engine.commands.WINDOW slots)]
 
 
@@ -193,7 +180,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     clock.mark("launch")                  # interpreter, imports, config and resume checks
     source = data.open_source(cfg)        # bad data fails here, before the cluster forms
     clock.mark("data")
-    stop = _StopSignal()
+    stop = StopSignal()
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
     sink = EventSink(out, env.get(ENV_EVENT_SOCKET))
     generation = int(env.get(ENV_GENERATION, "0"))
@@ -296,7 +283,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     return end
 
 
-def _hold(commands: CommandReader, applied: int, stop: _StopSignal, poll_s: float = 0.1) -> tuple[str, int]:
+def _hold(commands: CommandReader, applied: int, stop: StopSignal, poll_s: float = 0.1) -> tuple[str, int]:
     """Paused: no steps, no collectives. Every rank reads the same commands file, so every rank
     leaves on the same command: resume (train on), stop, or release (the supervisor frees the
     devices; the run resumes from the pause checkpoint in a later generation)."""
