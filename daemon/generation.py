@@ -50,6 +50,17 @@ def start_ticks(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
+def is_running(record: dict) -> bool:
+    """Whether the process of a record (pid, start_ticks) still runs: the same process, and not a
+    zombie. An orphan that exited stays a zombie until PID 1 reaps it, which in a container may be
+    never: waiting for its /proc entry to go waited out the whole grace (measured: 3 s)."""
+    try:
+        fields = Path(f"/proc/{record['pid']}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and int(fields[19]) == record.get("start_ticks")
+
+
 @dataclasses.dataclass
 class Worker:
     role: str                 # "scheduler" or "rank"
@@ -131,7 +142,7 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     to their process groups. Only training ranks save: a scheduler or a standby is not waited for
     (a scheduler outlives its ranks by MindSpore's heartbeat timeout). Returns the records it had
     to kill."""
-    alive = lambda recs: [r for r in recs if start_ticks(r["pid"]) == r.get("start_ticks")]
+    alive = lambda recs: [r for r in recs if is_running(r)]
     savers = [r for r in records if r.get("role") == "rank" and not r.get("standby")]
     deadline = time.monotonic() + grace_s
     while alive(savers) and time.monotonic() < deadline:

@@ -35,9 +35,9 @@ def _daemon_alive(state: RunState) -> bool:
 
 def _unsupervised(state: RunState) -> list[int]:
     """Recorded processes of the run still alive (same pid and start time) although its daemon is not."""
-    from daemon.generation import start_ticks
+    from daemon.generation import is_running
 
-    return [p["pid"] for p in state.processes if start_ticks(p["pid"]) == p.get("start_ticks")]
+    return [p["pid"] for p in state.processes if is_running(p)]
 
 
 def _eta_s(state: RunState, alive: bool) -> float | None:

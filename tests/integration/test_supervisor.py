@@ -234,6 +234,26 @@ def test_killed_daemon_orphans_are_cleaned_up_and_the_run_continues(tmp_path):
     assert _named(events, "generation_start")[0]["resume_step"] >= 10
 
 
+def test_an_orphan_that_exited_unreaped_is_not_waited_for():
+    """A killed daemon's rank that saved and exited stays a zombie until PID 1 reaps it, which in a
+    container may be never: it has exited, so the next daemon neither waits out its grace for it
+    nor counts it as killed."""
+    from daemon.generation import is_running, kill_orphans, start_ticks
+
+    child = subprocess.Popen(["true"])
+    stat = Path(f"/proc/{child.pid}/stat")
+    deadline = time.monotonic() + 10
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    record = {"role": "rank", "rank": 0, "pid": child.pid, "pgid": child.pid, "start_ticks": start_ticks(child.pid)}
+    try:
+        assert not is_running(record) and is_running({"pid": os.getpid(), "start_ticks": start_ticks(os.getpid())})
+        assert kill_orphans([record], grace_s=60) == []
+    finally:
+        child.wait()
+
+
 def test_a_worker_config_error_is_passed_on_not_retried(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
