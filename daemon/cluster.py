@@ -1,15 +1,32 @@
-"""The environment of MindSpore's dynamic cluster, as msrun sets it, for the scheduler and each rank.
+"""The environment of MindSpore's dynamic cluster, as msrun sets it, for the scheduler and each rank;
+or of a local group, which has no MindSpore cluster.
 
 Owns: which variables a scheduler or worker process gets (MS_ROLE,
-MS_SCHED_HOST, MS_SCHED_PORT, MS_WORKER_NUM, MS_LOCAL_WORKER_NUM, MS_NODE_ID)
-and a free-port helper. Stdlib only; no processes are started here.
+MS_SCHED_HOST, MS_SCHED_PORT, MS_WORKER_NUM, MS_LOCAL_WORKER_NUM, MS_NODE_ID),
+when a generation is a local group and the names of its shared-memory files,
+and a free-port helper. No processes are started here.
+
+A local group: with `parallel.local_reduce` on one CPU machine, the ranks sum
+their gradients through shared memory (engine/local_reduce.py) and need
+nothing of MindSpore's cluster, whose formation was most of a cold start
+(4.6 of 7 s, 3 s of it a fixed sleep in MindSpore's CPU collectives). Such a
+generation starts no scheduler; each rank gets its rank, the world and the
+group's file prefix, new for every generation, which the daemon removes when
+the generation ends.
 """
 from __future__ import annotations
 
+import os
+import re
 import socket
+from pathlib import Path
 from typing import Mapping
 
-from daemon.protocol import ENV_GENERATION
+from daemon.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
+from engine.config import Config
+
+SHM_DIR = Path("/dev/shm")
+_GROUP_FILES = "llm-pretrain-reduce-{uid}-{pid}-"     # then the port and generation; the engine adds suffixes
 
 SCHEDULER = "MS_SCHED"
 WORKER = "MS_WORKER"
@@ -51,3 +68,46 @@ def process_env(base: Mapping[str, str], *, role: str, sched_host: str, sched_po
     if role == WORKER and node_id is not None:
         env["MS_NODE_ID"] = str(node_id)
     return env
+
+
+def is_local_group(cfg: Config) -> bool:
+    """Whether this node's ranks form a local group (see the module's docstring) rather than a
+    MindSpore cluster."""
+    return (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1
+            and cfg.parallel.world_size > 1 and cfg.parallel.tp == 1 and cfg.parallel.pp == 1)
+
+
+def local_group_prefix(*, port: int, generation: int, pid: int | None = None) -> Path:
+    """The path prefix of one generation's shared-memory files: this daemon's, this generation's
+    (the port, fresh for each generation and each standby, tells a standby's from a cold start's)."""
+    pid = os.getpid() if pid is None else pid
+    return SHM_DIR / (_GROUP_FILES.format(uid=os.getuid(), pid=pid) + f"{port}-g{generation}")
+
+
+def local_group_env(base: Mapping[str, str], *, rank: int, world: int, port: int, generation: int) -> dict[str, str]:
+    """A local group's rank: `base` less any MindSpore cluster variables, plus the group's."""
+    env = {k: v for k, v in base.items() if k not in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT",
+                                                        "MS_WORKER_NUM", "MS_LOCAL_WORKER_NUM", "MS_NODE_ID")}
+    env.update({ENV_LOCAL_GROUP: str(local_group_prefix(port=port, generation=generation)),
+                ENV_LOCAL_RANK: str(rank), ENV_LOCAL_WORLD: str(world), ENV_GENERATION: str(generation)})
+    return env
+
+
+def remove_group_files(prefix: Path) -> None:
+    """What a group left in shared memory (rank 0 unlinks it after the first sum; a group that
+    ended before then leaves it)."""
+    for path in prefix.parent.glob(prefix.name + ".*"):
+        path.unlink(missing_ok=True)
+
+
+def remove_dead_daemons_group_files(directory: Path = SHM_DIR) -> list[Path]:
+    """Group files of daemons (of this user) no longer running: a daemon killed before its
+    generation's first sum leaves them."""
+    pattern = re.compile(re.escape(_GROUP_FILES.format(uid=os.getuid(), pid="@")).replace("@", r"(\d+)"))
+    removed = []
+    for path in directory.glob(_GROUP_FILES.format(uid=os.getuid(), pid="*") + "*"):
+        match = pattern.match(path.name)
+        if match and not Path(f"/proc/{match.group(1)}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed

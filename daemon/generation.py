@@ -156,6 +156,14 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     return killed
 
 
+def end_previous_daemons_leftovers(records: Sequence[dict], grace_s: float) -> list[dict]:
+    """At a daemon's start: the workers a killed daemon left (kill_orphans; returns those it had to
+    kill) and the shared-memory files of local groups whose daemon is gone."""
+    killed = kill_orphans(records, grace_s) if records else []
+    cluster.remove_dead_daemons_group_files()
+    return killed
+
+
 def spawn_rank(cfg: Config, rank: int, cmd: Sequence[str], env: Mapping[str, str], *, log_dir: Path,
                memcg_parent: tuple[int, Path] | None, cgroup_name: str, pass_fds: Sequence[int] = ()) -> Worker:
     """One rank, in its own memory cgroup when the run limits memory. If the daemon dies, the rank
@@ -196,6 +204,7 @@ class Generation:
         self.workers: list[Worker] = []
         self.final_memory: dict | None = None    # peak memory and OOM kills per rank, after teardown
         self.from_standby = False                # its processes were a warm standby's (daemon/standby.py)
+        self.port: int | None = None             # its scheduler's, or a local group's name (launch)
         self._reported: set[int] = set()
         self.grace_s = cfg.run.kill_grace_s
         sock_path.unlink(missing_ok=True)
@@ -216,9 +225,11 @@ class Generation:
         if standby is not None:
             self.adopt(standby.workers)
             self.from_standby = True
+            self.port = standby.port
             return standby.port
         cfg, n = self.cfg, self.number
-        if cfg.parallel.world_size > 1 and scheduler_cmd:
+        self.port = port
+        if cfg.parallel.world_size > 1 and scheduler_cmd and not cluster.is_local_group(cfg):
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
         for rank in ranks:
             self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
@@ -301,6 +312,8 @@ class Generation:
         stop_all(self.workers, grace_s=self.grace_s)
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
+        if self.port is not None and cluster.is_local_group(self.cfg):
+            cluster.remove_group_files(cluster.local_group_prefix(port=self.port, generation=self.number))
         self.final_memory = self.memory_report()
         for w in self.ranks:
             if w.group is not None:
@@ -314,6 +327,8 @@ def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, ge
     world = cfg.parallel.world_size
     if world == 1:
         return {**base, ENV_GENERATION: str(generation)}
+    if cluster.is_local_group(cfg):
+        return cluster.local_group_env(base, rank=rank, world=world, port=port, generation=generation)
     return cluster.process_env(base, role=cluster.WORKER, sched_host=cfg.run.master_addr, sched_port=port,
                                worker_num=world, local_worker_num=world // cfg.run.nodes, node_id=rank,
                                generation=generation)

@@ -70,7 +70,7 @@ class Standby:
         port = cluster.free_port(cfg.run.master_addr) if cfg.parallel.world_size > 1 else 0
         standby = cls(cfg, port, tuple(ranks), {}, [], {})
         try:
-            if cfg.parallel.world_size > 1 and scheduler_cmd:
+            if cfg.parallel.world_size > 1 and scheduler_cmd and not cluster.is_local_group(cfg):
                 standby.workers.append(spawn(scheduler_cmd, env=files.scheduler_env(env, cfg, port=port, generation=number),
                                              role="scheduler", rank=-1, log_path=files.log_dir / "scheduler.log",
                                              parent_death_signal=signal.SIGTERM))   # no ranks may come to end it

@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 from daemon import control, effects_of_watch, memcg, peers, recovery, standby, watch
 from daemon.nodes import Nodes
 from daemon.eventlog import EventLog
-from daemon.generation import Generation, kill_orphans, socket_path
+from daemon.generation import Generation, end_previous_daemons_leftovers, socket_path
 from daemon.health import HealthMonitor
 from daemon.incidents import Halt, Incident, Kind
 from daemon.ledger import Ledger
@@ -103,7 +103,7 @@ class Supervisor:
             code = getattr(e, "code", ExitCode.CONFIG_ERROR)
             ledger.emit("daemon_exit", level="error", code=int(code), reason="config", detail=str(e))
             return code
-        if self.state.processes and (killed := kill_orphans(self.state.processes, self.cfg.run.kill_grace_s)):
+        if killed := end_previous_daemons_leftovers(self.state.processes, self.cfg.run.kill_grace_s):
             ledger.emit("orphans_killed", level="warning", pids=[r["pid"] for r in killed],
                         detail="workers of a previous daemon were still running")
         ledger.begin(total_steps=self.cfg.train.steps, log_dir=self.files.log_dir.resolve())

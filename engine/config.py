@@ -194,9 +194,10 @@ class ParallelConfig:
                                    # inside each tensor-parallel group (Ascend, tp > 1; MindFormers' use_seq_parallel)
     device_memory_gib: float = 64.0  # memory of one device (Ascend); `run` refuses a layout the estimate
                                      # (`llm-pretrain plan`) says cannot fit
-    local_reduce: bool = False     # CPU data parallel with every rank on one machine: sum gradients through
-                                   # /dev/shm (engine/local_reduce.py) instead of MindSpore's AllReduce;
-                                   # opt-in: a SIGKILLed daemon can leave a rank without its final save
+    local_reduce: bool = True      # CPU data parallel with every rank on one machine: sum gradients through
+                                   # /dev/shm (engine/local_reduce.py) instead of MindSpore's AllReduce, and
+                                   # under the daemon form no MindSpore cluster (daemon/cluster.py); false:
+                                   # MindSpore's cluster and AllReduce (no effect on Ascend or across nodes)
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "pipeline_microbatches"):

@@ -8,12 +8,18 @@ slot of one /dev/shm segment, each sums its share of the buffer over all slots,
 and each reads the whole sum back. Two barriers per step; the sum over slots
 runs in rank order, which for two ranks is the same float sum as a ring's.
 
-The segment and the barrier's FIFOs belong to one cluster: rank 0 creates them
-fresh under a name from the scheduler's port, the ranks open them between two
-MindSpore barriers, and rank 0 unlinks them at once, so nothing is left in
-/dev/shm whatever happens to the processes. A rank that dies leaves its peers
-blocked in the barrier, as in a collective; the supervisor's crash and hang
-handling ends them.
+The segment and the barrier's FIFOs belong to one group of ranks, named by a
+path prefix:
+- under the supervisor (a local group, daemon/cluster.py: no MindSpore cluster
+  at all) the prefix is new for every generation, so every rank creates what is
+  missing and opens it, with no barrier; rank 0 unlinks the files after the
+  first sum (every rank holds them by then), and the supervisor removes what a
+  generation that died earlier left;
+- under msrun (MindSpore's cluster) the prefix comes from the scheduler's port,
+  which an earlier cluster may have used: rank 0 creates the files fresh, the
+  ranks open them between two MindSpore barriers, and rank 0 unlinks them at once.
+A rank that dies leaves its peers blocked in the barrier, as in a collective;
+the supervisor's crash and hang handling ends them.
 """
 from __future__ import annotations
 
@@ -30,39 +36,55 @@ SHM_DIR = Path("/dev/shm")
 class LocalAllReduce:
     """Sum of a float32 vector of `size` over `world` ranks of this machine."""
 
-    def __init__(self, *, rank: int, world: int, size: int, tag: str, barrier: Callable[[], None],
-                 directory: Path = SHM_DIR):
+    def __init__(self, *, rank: int, world: int, size: int, prefix: Path,
+                 barrier: Callable[[], None] | None = None):
+        """prefix: the group's files are prefix + ".seg", ".go<rank>", ".arrive". barrier: MindSpore's,
+        where the prefix may be an earlier cluster's; None where it is new (a local group)."""
         if world < 2:
             raise ValueError(f"a local all-reduce needs at least 2 ranks, not {world}")
         self.rank, self.world, self.size = rank, world, size
-        base = directory / f"llm-pretrain-reduce-{tag}"
+        base = Path(prefix)
         paths = [base.with_name(base.name + ".seg")] + [base.with_name(f"{base.name}.go{r}") for r in range(world)]
         paths.append(base.with_name(base.name + ".arrive"))
+        self._paths = paths if rank == 0 else []          # rank 0 unlinks them
         nbytes = (world + 1) * size * 4
-        if rank == 0:
-            for path in paths:
-                path.unlink(missing_ok=True)
-            fd = os.open(paths[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            os.ftruncate(fd, nbytes)
+        if barrier is None:                # a new prefix: whoever comes first creates each file
+            fd = os.open(paths[0], os.O_RDWR | os.O_CREAT, 0o600)
+            os.ftruncate(fd, nbytes)       # every rank the same size: never cuts what a peer wrote
             for path in paths[1:]:
-                os.mkfifo(path, 0o600)
-        barrier()                          # the segment and FIFOs exist
-        if rank != 0:
-            fd = os.open(paths[0], os.O_RDWR)
+                try:
+                    os.mkfifo(path, 0o600)
+                except FileExistsError:
+                    pass
+        else:
+            if rank == 0:
+                for path in paths:
+                    path.unlink(missing_ok=True)
+                fd = os.open(paths[0], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                os.ftruncate(fd, nbytes)
+                for path in paths[1:]:
+                    os.mkfifo(path, 0o600)
+            barrier()                      # the segment and FIFOs exist
+            if rank != 0:
+                fd = os.open(paths[0], os.O_RDWR)
         # O_RDWR on a FIFO never blocks at open (Linux); each rank holds what it reads and writes
         self._go = [os.open(path, os.O_RDWR) for path in paths[1:1 + world]]
         self._arrive = os.open(paths[-1], os.O_RDWR)
         self._map = mmap.mmap(fd, nbytes)
         os.close(fd)
-        barrier()                          # everyone holds everything
-        if rank == 0:
-            for path in paths:
-                path.unlink(missing_ok=True)
+        if barrier is not None:
+            barrier()                      # everyone holds everything
+            self._unlink()
         view = np.frombuffer(self._map, dtype=np.float32)
         self.slots = view[:world * size].reshape(world, size)
         self.result = view[world * size:]
         bounds = np.linspace(0, size, world + 1).astype(np.int64)
         self._lo, self._hi = int(bounds[rank]), int(bounds[rank + 1])
+
+    def _unlink(self) -> None:
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+        self._paths = []
 
     def _barrier(self) -> None:
         """Every rank tells rank 0 it arrived; rank 0 releases them all once all have."""
@@ -87,6 +109,8 @@ class LocalAllReduce:
         for r in range(2, self.world):
             np.add(out, self.slots[r, lo:hi], out=out)
         self._barrier()                    # every share summed; nobody writes a slot before all read
+        if self._paths:                    # every rank came through a barrier: all hold the files
+            self._unlink()
         return self.result
 
     def close(self) -> None:

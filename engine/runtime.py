@@ -5,7 +5,9 @@ MindSpore is imported inside `setup` only, so the CLI can run the checks here fi
 Owns: the translation of the config and of msrun's environment variables
 (MS_ROLE, MS_WORKER_NUM, MS_NODE_ID, MS_SCHED_HOST, MS_SCHED_PORT, …) into
 MindSpore context calls, and the check that the cluster MindSpore formed is
-the one the config describes.
+the one the config describes. A local group (the supervisor's data-parallel
+ranks on one CPU machine, daemon/cluster.py) forms no MindSpore cluster: its
+ranks sum through shared memory and take rank and world from the environment.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import dataclasses
 import os
 from typing import Mapping
 
+from daemon.protocol import ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
 from engine import parallel
 from engine.config import Config, ConfigError
 
@@ -24,10 +27,28 @@ class RankInfo:
     local_world_size: int   # ranks sharing this machine's cores
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalGroup:
+    """Ranks the supervisor started on this machine without MindSpore's cluster (daemon/cluster.py):
+    each knows its rank and the world from the environment, and they sum gradients through shared
+    memory under `prefix` (engine/local_reduce.py)."""
+    rank: int
+    world: int
+    prefix: str
+
+
+def local_group(env: Mapping[str, str] = os.environ) -> LocalGroup | None:
+    if not env.get(ENV_LOCAL_GROUP):
+        return None
+    return LocalGroup(rank=int(env[ENV_LOCAL_RANK]), world=int(env[ENV_LOCAL_WORLD]), prefix=env[ENV_LOCAL_GROUP])
+
+
 def is_cluster_member(env: Mapping[str, str] = os.environ) -> bool:
-    """True when started as a rank of MindSpore's dynamic cluster (by our supervisor or msrun), or as
-    one simulated rank of a dry run (MS_SIMULATION_LEVEL with RANK_SIZE and RANK_ID: `plan --dry-run`)."""
-    return env.get("MS_ROLE") == "MS_WORKER" or bool(env.get("MS_SIMULATION_LEVEL") and env.get("RANK_SIZE"))
+    """True when started as one of several ranks: of MindSpore's dynamic cluster (by our supervisor or
+    msrun), of the supervisor's local group, or one simulated rank of a dry run (MS_SIMULATION_LEVEL
+    with RANK_SIZE and RANK_ID: `plan --dry-run`)."""
+    return (env.get("MS_ROLE") == "MS_WORKER" or local_group(env) is not None
+            or bool(env.get("MS_SIMULATION_LEVEL") and env.get("RANK_SIZE")))
 
 
 def compute_threads(cfg: Config, local_world_size: int) -> int:
@@ -54,7 +75,7 @@ _formed: tuple[tuple, RankInfo] | None = None     # what setup did in this proce
 
 
 def _setup_key(cfg: Config, env: Mapping[str, str]) -> tuple:
-    return (cfg.train.device, cfg.train.seed, cfg.train.compute_threads, cfg.parallel,
+    return (cfg.train.device, cfg.train.seed, cfg.train.compute_threads, cfg.parallel, local_group(env),
             tuple(sorted((k, v) for k, v in env.items() if k.startswith("MS_"))))
 
 
@@ -78,8 +99,11 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     import mindspore as ms
 
     check_process_count(cfg, env)
-    member = is_cluster_member(env)
-    local_world = int(env.get("MS_LOCAL_WORKER_NUM", env.get("MS_WORKER_NUM", "1"))) if member else 1
+    member, group = is_cluster_member(env), local_group(env)
+    if group is not None:
+        local_world = group.world
+    else:
+        local_world = int(env.get("MS_LOCAL_WORKER_NUM", env.get("MS_WORKER_NUM", "1"))) if member else 1
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU" if cfg.train.device == "cpu" else "Ascend")
     if cfg.train.device == "cpu":
@@ -88,6 +112,11 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     ms.set_seed(cfg.train.seed)
     if not member:
         return RankInfo(rank=0, world_size=1, local_world_size=1)
+    if group is not None:       # no MindSpore cluster to form: the step sums through shared memory
+        if group.world != cfg.parallel.world_size:
+            raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} but the local group has "
+                              f"{group.world} ranks ({ENV_LOCAL_WORLD}); they must match")
+        return RankInfo(rank=group.rank, world_size=group.world, local_world_size=group.world)
     from mindspore import communication
 
     communication.init()

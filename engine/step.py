@@ -23,17 +23,18 @@ import functools
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Mapping
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from engine import parallel
+from engine import parallel, runtime
 from engine.config import Config
 from engine.loss_scale import LossScaler
 from engine.model import CausalLM
-from engine.local_reduce import LocalAllReduce
+from engine.local_reduce import SHM_DIR, LocalAllReduce
 from engine.optim import AdamW
 from engine.parallel import Reduction
 
@@ -93,7 +94,8 @@ class TrainStep(StepState):
         if reduction.scalars_all_reduce:
             raise ValueError("TrainStep reduces gradients by hand; a semi-auto layout needs engine.sharded_step")
         self.dp = reduction.divide_by
-        self.all_reduce = ops.AllReduce() if reduction.hand_all_reduce else None
+        # a local group (no MindSpore cluster: engine/runtime.py) has no AllReduce to make
+        self.all_reduce = ops.AllReduce() if reduction.hand_all_reduce and local_reduce is None else None
         # Control flags ride along with the step's own collectives: every rank learns,
         # after the same step, what any rank asked for (a stop signal, a command).
         # Summed, because CPU AllReduce does only sums: a flag set anywhere sums to > 0.
@@ -115,7 +117,7 @@ class TrainStep(StepState):
         self._accumulate = ms.jit(self._accumulate_step)
         self._finish = ms.jit(self._finish_step)
         self.local, self._make_local = None, None
-        if self.all_reduce is not None and local_reduce is not None:
+        if reduction.hand_all_reduce and local_reduce is not None:
             self._make_local = local_reduce         # sized at the first step, by its control vector
             self._local_fused = ms.jit(self._local_fused_step)
             self._local_finish = ms.jit(self._local_finish_step)
@@ -246,7 +248,7 @@ class TrainStep(StepState):
         synced = time.perf_counter()
         local = local.asnumpy()
         if self.local is None:
-            self.local = self._make_local(local.size)
+            self.local = self._make_local(size=local.size)
             print(f"llm-pretrain: rank {self.local.rank} sums gradients with its {self.local.world - 1} local "
                   "peer(s) through shared memory", file=sys.stderr, flush=True)
         summed = self.local.all_reduce(local)
@@ -266,16 +268,14 @@ def build_step(net: CausalLM, cfg: Config, *, rank: int = 0, world: int = 1, loc
 
         return ShardedTrainStep(net, cfg, rank=rank, run_dir=cfg.run.resolved_dir())
     local = None
-    if (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1 and world > 1
-            and local_world == world
-            and env.get("MS_SCHED_PORT")):
-        tag = f"{os.getuid()}-{env.get('MS_SCHED_HOST', '')}-{env['MS_SCHED_PORT']}"
-        local = functools.partial(_local_all_reduce, rank=rank, world=world, tag=tag)
+    group = runtime.local_group(env)
+    if group is not None:                  # the supervisor's local group: no MindSpore cluster
+        local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=Path(group.prefix))
+    elif (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1 and world > 1
+            and local_world == world and env.get("MS_SCHED_PORT")):     # under msrun: MindSpore's cluster
+        prefix = SHM_DIR / f"llm-pretrain-reduce-{os.getuid()}-{env.get('MS_SCHED_HOST', '')}-{env['MS_SCHED_PORT']}"
+        local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=prefix, barrier=_cluster_barrier)
     return TrainStep(net, cfg, local_reduce=local)
-
-
-def _local_all_reduce(size: int, *, rank: int, world: int, tag: str) -> LocalAllReduce:
-    return LocalAllReduce(rank=rank, world=world, size=size, tag=tag, barrier=_cluster_barrier)
 
 
 _barrier_fn = None

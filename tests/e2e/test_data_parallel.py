@@ -35,8 +35,8 @@ def test_two_ranks_stay_identical_and_match_one_process(cli, quiet_env, tmp_path
 
 
 def test_the_shared_memory_sum_trains_exactly_as_mindspores_all_reduce(cli, quiet_env, tmp_path, stdlib_corpus):
-    """Two local CPU ranks sum their gradients through /dev/shm with parallel.local_reduce; with it
-    off (the default) they use MindSpore's AllReduce: the same losses, grad norms and parameters, to the bit,
+    """Two local CPU ranks under msrun (MindSpore's cluster) sum their gradients through /dev/shm with
+    parallel.local_reduce (the default); with it off they use MindSpore's AllReduce: the same losses, grad norms and parameters, to the bit,
     with gradient accumulation too (the finishing graph's buffer)."""
     from tests.e2e.cluster import Cluster
 

@@ -93,11 +93,12 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
     print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}; "
           f"start-up on the standby {_named(events, 'compiling')[1]['startup_s']}, "
           f"crash event to the first step {_seconds(crash, back):.2f} s")
+    assert "-1" not in start["pids"]            # a local group (parallel.local_reduce): no MindSpore scheduler
     # the standby's ranks, from a RAM checkpoint, train exactly what fresh ranks would: the same parameters as a
-    # run never killed (with no RAM tier)
+    # run never killed (with no RAM tier), and summing through MindSpore's cluster and AllReduce instead
     (tmp_path / "again").mkdir()
     again, reference = _daemon(cli, quiet_env, tmp_path / "again", stdlib_corpus, "run.standby=false",
-                               steps=STANDBY_STEPS)
+                               "parallel.local_reduce=false", steps=STANDBY_STEPS)
     _, err = again.communicate(timeout=400)
     assert again.returncode == 0, err[-2000:]
     assert len(_final_params(run)) == 1 and _final_params(run) == _final_params(reference)

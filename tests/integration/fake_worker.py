@@ -29,9 +29,14 @@ import time
 import tomllib
 from pathlib import Path
 
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_RECOVERY, ENV_STANDBY_FD,
+from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK,
+                             ENV_RECOVERY, ENV_STANDBY_FD,
                              CheckpointEvent, Command, ExitEvent, PhaseEvent, Recovery, StepEvent, await_activation,
                              send_datagram)
+
+
+def _rank() -> int:
+    return int(os.environ.get(ENV_LOCAL_RANK, os.environ.get("MS_NODE_ID", "0")))
 
 
 def main() -> int:
@@ -57,7 +62,7 @@ def main() -> int:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
             ready.setblocking(False)
             send_datagram(ready, os.environ[ENV_EVENT_SOCKET], PhaseEvent(
-                rank=int(os.environ.get("MS_NODE_ID", "0")), generation=int(os.environ[ENV_GENERATION]),
+                rank=_rank(), generation=int(os.environ[ENV_GENERATION]),
                 phase="standby"))
         env = await_activation(int(os.environ[ENV_STANDBY_FD]))
         if env is None:
@@ -65,8 +70,11 @@ def main() -> int:
         os.environ.clear()
         os.environ.update(env)
 
-    rank = int(os.environ.get("MS_NODE_ID", "0"))
+    rank = _rank()
     generation = int(os.environ.get(ENV_GENERATION, "0"))
+    if os.environ.get(ENV_LOCAL_GROUP):        # a local group's rank maps its shared memory (never unlinked here)
+        open(os.environ[ENV_LOCAL_GROUP] + ".seg", "ab").close()
+        print(f"local group {os.environ[ENV_LOCAL_GROUP]}", flush=True)
     gens = {int(g) for g in a.fault_generations.split(",") if g}
     faulty = (not gens or generation in gens) and (a.rank_faults is None or a.rank_faults == rank)
     faulthandler.register(signal.SIGUSR1, all_threads=True)

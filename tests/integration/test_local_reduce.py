@@ -1,5 +1,6 @@
 """The shared-memory gradient sum of data-parallel ranks on one machine, in real processes (no MindSpore:
-the cluster barrier it needs at start is a multiprocessing.Barrier here)."""
+under msrun the cluster barrier it needs at start is a multiprocessing.Barrier here; a local group of
+the supervisor's, whose file prefix is new, needs none)."""
 import multiprocessing as mp
 import os
 import signal
@@ -19,8 +20,10 @@ def _contribution(rank: int, call: int) -> np.ndarray:
     return np.random.default_rng(1000 * call + rank).normal(size=SIZE).astype(np.float32)
 
 
-def _rank(rank, world, directory, barrier, calls, results):
-    reduce = LocalAllReduce(rank=rank, world=world, size=SIZE, tag="t", barrier=barrier.wait, directory=directory)
+def _rank(rank, world, directory, barrier, calls, results, start_delay_s=0.0):
+    time.sleep(start_delay_s)
+    reduce = LocalAllReduce(rank=rank, world=world, size=SIZE, prefix=directory / "llm-pretrain-reduce-t",
+                            barrier=barrier.wait if barrier is not None else None)
     sums = []
     for call in range(calls):
         out = reduce.all_reduce(_contribution(rank, call))
@@ -29,10 +32,12 @@ def _rank(rank, world, directory, barrier, calls, results):
     reduce.close()
 
 
-def _run(world: int, directory, calls: int = 5):
+def _run(world: int, directory, calls: int = 5, *, barrier: bool = True, delays=None):
     ctx = mp.get_context("fork")
-    barrier, results = ctx.Barrier(world), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, directory, barrier, calls, results)) for r in range(world)]
+    barrier, results = ctx.Barrier(world) if barrier else None, ctx.Queue()
+    delays = delays or [0.0] * world
+    procs = [ctx.Process(target=_rank, args=(r, world, directory, barrier, calls, results, delays[r]))
+             for r in range(world)]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=60) for _ in range(world))
@@ -42,16 +47,20 @@ def _run(world: int, directory, calls: int = 5):
     return got
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_every_rank_gets_the_sum_of_every_rank_on_every_call(tmp_path, world):
-    got = _run(world, tmp_path)
+@pytest.mark.parametrize("world, barrier, delays", [
+    (2, True, None), (3, True, None),
+    # a local group: no barrier, whoever comes first creates the files, rank 0 first or last
+    (2, False, [0.0, 0.3]), (3, False, [0.3, 0.0, 0.1])])
+def test_every_rank_gets_the_sum_of_every_rank_on_every_call(tmp_path, world, barrier, delays):
+    got = _run(world, tmp_path, barrier=barrier, delays=delays)
     for call in range(5):
         expected = _contribution(0, call)
         for r in range(1, world):
             expected = expected + _contribution(r, call)     # rank order, as the shares are summed
         for r in range(world):
             np.testing.assert_array_equal(np.frombuffer(got[r][call], np.float32), expected)
-    # nothing is left behind: the segment and the FIFOs are unlinked once every rank holds them
+    # nothing is left behind: the segment and the FIFOs are unlinked once every rank holds them (after
+    # the barrier at start, or after the first sum)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -63,7 +72,7 @@ def test_a_stale_segment_of_an_earlier_cluster_is_replaced(tmp_path):
 
 
 def _join_then_die(world, directory, barrier):
-    LocalAllReduce(rank=1, world=world, size=SIZE, tag="t", barrier=barrier.wait, directory=directory)
+    LocalAllReduce(rank=1, world=world, size=SIZE, prefix=directory / "llm-pretrain-reduce-t", barrier=barrier.wait)
     os.kill(os.getpid(), signal.SIGKILL)         # a rank crashing before its first sum
 
 

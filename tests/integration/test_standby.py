@@ -3,6 +3,7 @@ trains, wait, and become the ranks of the generation after an incident (daemon/s
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -58,3 +59,43 @@ def test_with_run_standby_off_every_generation_starts_cold(tmp_path):
     assert code == 0, err
     assert not _named(events, "standby_started")
     assert [g["standby"] for g in _named(events, "generation_start")] == [False, False]
+
+
+def test_a_local_group_starts_no_scheduler_and_leaves_no_shared_memory_behind(tmp_path):
+    """parallel.local_reduce on one CPU machine: the ranks are a local group (no MindSpore cluster), each
+    generation with files of its own in /dev/shm, which the daemon removes when the generation ends
+    (a rank that died before its first sum leaves them: the fake ranks never unlink them)."""
+    from daemon.cluster import SHM_DIR
+
+    run = tmp_path / "run"
+    code, events, err = _finish(_start(run, overrides=[*QUICK_HEALTH, "parallel.local_reduce=true"], ranks=2, fake=[
+        "--steps", "60", "--step-s", "0.05", "--interval", "5", "--crash-at", "30", "--rank-faults", "1",
+        "--fault-generations", "1"]))
+    assert code == 0, err
+    gens = _named(events, "generation_start")
+    assert [sorted(g["pids"]) for g in gens] == [["0", "1"], ["0", "1"]]          # no scheduler (rank -1)
+    assert [g["standby"] for g in gens] == [False, True]                          # the standby, without one too
+    groups = [[l.split()[-1] for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
+               if l.startswith("local group ")] for r in (0, 1)]
+    assert groups[0] == groups[1] and len(set(groups[0])) == 2                    # one group a generation
+    daemon_pid = _named(events, "daemon_start")[0]["pid"]
+    assert all(f"-{daemon_pid}-" in g for g in groups[0])
+    assert not list(SHM_DIR.glob(f"llm-pretrain-reduce-{os.getuid()}-{daemon_pid}-*"))
+
+
+def test_a_dead_daemons_shared_memory_files_are_removed_by_the_next_one(tmp_path):
+    from daemon.cluster import SHM_DIR
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()                                 # a pid no process has now
+    left = SHM_DIR / f"llm-pretrain-reduce-{os.getuid()}-{dead.pid}-4711-g3.seg"
+    left.write_bytes(b"x")
+    mine = SHM_DIR / f"llm-pretrain-reduce-{os.getuid()}-{os.getpid()}-4711-g3.seg"    # a live daemon's
+    mine.write_bytes(b"x")
+    try:
+        code, events, err = _finish(_start(tmp_path / "run", fake=["--steps", "3"]))
+        assert code == 0, err
+        assert not left.exists() and mine.exists()
+    finally:
+        left.unlink(missing_ok=True)
+        mine.unlink(missing_ok=True)

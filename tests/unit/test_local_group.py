@@ -1,0 +1,43 @@
+"""When a generation is a local group (no MindSpore cluster; daemon/cluster.py), and what its ranks are told."""
+import os
+
+import pytest
+
+from daemon import cluster
+from daemon.generation import worker_env
+from daemon.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
+from engine import runtime
+from engine.config import load_config
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("sets, local", [
+    (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=true"], True),
+    (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=false"], False),   # MindSpore's AllReduce
+    (["parallel.local_reduce=true"], False),                                           # one rank: no group
+    (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=true", "run.nodes=2",
+      "run.coordinator=\"etcd://127.0.0.1:2379\"", "run.master_port=29500"], False),   # ranks on other machines
+])
+def test_a_local_group_is_data_parallel_cpu_ranks_on_one_machine_with_the_shared_memory_sum(sets, local):
+    assert cluster.is_local_group(load_config(None, sets)) is local
+
+
+def test_a_local_groups_rank_gets_its_rank_world_and_the_generations_files_and_no_cluster_variables():
+    cfg = load_config(None, ["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=true"])
+    base = {"PATH": "/bin", "MS_ROLE": "MS_WORKER", "MS_SCHED_PORT": "1", "MS_WORKER_NUM": "4", "GLOG_v": "2"}
+    env = worker_env(base, cfg, rank=1, port=4711, generation=3)
+    assert not {"MS_ROLE", "MS_SCHED_PORT", "MS_WORKER_NUM"} & set(env)       # else MindSpore forms a cluster
+    assert env["PATH"] == "/bin" and env["GLOG_v"] == "2" and env[ENV_GENERATION] == "3"
+    assert (env[ENV_LOCAL_RANK], env[ENV_LOCAL_WORLD]) == ("1", "2")
+    assert env[ENV_LOCAL_GROUP] == str(cluster.local_group_prefix(port=4711, generation=3))
+    assert runtime.local_group(env) == runtime.LocalGroup(rank=1, world=2, prefix=env[ENV_LOCAL_GROUP])
+    assert runtime.is_cluster_member(env)
+    # the next generation, or a standby on another port, never meets this one's files
+    assert len({cluster.local_group_prefix(port=p, generation=g) for p, g in [(4711, 3), (4711, 4), (4712, 3)]}) == 3
+    assert f"-{os.getpid()}-" in env[ENV_LOCAL_GROUP]       # the daemon's: its successor removes what a dead one left
+
+
+def test_without_the_group_variables_a_rank_is_alone_or_msruns():
+    assert runtime.local_group({}) is None
+    assert runtime.local_group({"MS_ROLE": "MS_WORKER"}) is None and runtime.is_cluster_member({"MS_ROLE": "MS_WORKER"})
