@@ -117,9 +117,16 @@ def main() -> None:
               f"{statistics.median(rec) if rec else float('nan'):>11.2f} {statistics.median(lost) if lost else '-':>5}")
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "goodput.json").write_text(json.dumps({
-        "benchmark": "goodput", "config": "configs/tiny.toml (2 ranks)", "overrides": EXTRA, "results": results,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+    path = out / "goodput.json"
+    # a run of some intervals replaces those and keeps the others' earlier results (each with its date)
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    kept = json.loads(path.read_text()).get("results", []) if path.exists() else []
+    ran = {r["interval_s"] for r in results}
+    merged = sorted([r for r in kept if r["interval_s"] not in ran] + [{**r, "created": now} for r in results],
+                    key=lambda r: r["interval_s"])
+    path.write_text(json.dumps({
+        "benchmark": "goodput", "config": "configs/tiny.toml (2 ranks)", "overrides": EXTRA, "results": merged,
+        "created": now}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -187,7 +187,7 @@ def test_a_worker_that_always_dies_at_start_gives_up_with_3(cli, quiet_env, tmp_
     broken = tmp_path / "broken"           # a broken environment: every rank dies as it starts
     broken.mkdir()
     (broken / "sitecustomize.py").write_text(
-        "import os\nif os.environ.get('MS_ROLE') == 'MS_WORKER':\n    os._exit(1)\n")
+        "import os\nif os.environ.get('LLM_PRETRAIN_GENERATION'):\n    os._exit(1)\n")   # every rank's, not the daemon's
     env = dict(quiet_env, PYTHONPATH=f"{broken}{os.pathsep}{quiet_env.get('PYTHONPATH', '')}")
     proc, run = _daemon(cli, env, tmp_path, stdlib_corpus, "health.max_restarts_without_progress=3")
     out, err = proc.communicate(timeout=300)
