@@ -1,7 +1,8 @@
 """Data-parallel scaling on one machine: 2 ranks x 1 thread against 1 rank x 1 thread, same global batch.
 
-Each side is a real `llm-pretrain run` (the daemon, MindSpore's dynamic cluster,
-synthetic data, no checkpoints), interleaved A B A B; the figure is rank 0's
+Each side is a real `llm-pretrain run` (the daemon; the 2 ranks a local group,
+summing through shared memory with no MindSpore cluster; synthetic data, no
+checkpoints), interleaved A B A B; the figure is rank 0's
 median tokens/s over the steps after warm-up, from its step events. The two
 sides train the same samples; their final losses are printed (equal, or apart by the
 rounding of a different reduction order). Prints a

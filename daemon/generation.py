@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import hashlib
+import json
 import os
 import select
 import signal
@@ -76,7 +77,7 @@ class Worker:
 
     def record(self) -> dict:
         return {"role": self.role, "rank": self.rank, "pid": self.pid, "pgid": self.pid,
-                "start_ticks": start_ticks(self.pid)}
+                "start_ticks": start_ticks(self.pid), "log": str(self.log_path), "log_start": self.log_start}
 
 
 _PR_SET_PDEATHSIG = 1         # prctl(2)
@@ -140,20 +141,40 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     first `grace_s` for them to exit by themselves — the kernel sent them SIGTERM when their daemon
     died (parent-death signal), and they are saving a checkpoint at their next step — then SIGKILL
     to their process groups. Only training ranks save: a scheduler or a standby is not waited for
-    (a scheduler outlives its ranks by MindSpore's heartbeat timeout). Returns the records it had
-    to kill."""
+    (a scheduler outlives its ranks by MindSpore's heartbeat timeout), nor a rank that logged its
+    exit event (its save is done; what is left is a second of MindSpore's and the interpreter's
+    teardown). Returns the records it had to kill: not those that had finished."""
     alive = lambda recs: [r for r in recs if is_running(r)]
     savers = [r for r in records if r.get("role") == "rank" and not r.get("standby")]
     deadline = time.monotonic() + grace_s
-    while alive(savers) and time.monotonic() < deadline:
+    while (saving := [r for r in alive(savers) if not _logged_exit(r)]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    killed = alive(records)
-    for rec in killed:
+    left = alive(records)
+    for rec in left:
         _signal_group(rec["pgid"], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and alive(killed):
+    while time.monotonic() < deadline and alive(left):
         time.sleep(0.05)
-    return killed
+    finished = {r["pid"] for r in savers if r not in saving}
+    return [r for r in left if r["pid"] not in finished]
+
+
+def _logged_exit(record: dict) -> bool:
+    """Whether a rank logged its exit event since it started (its log from the recorded offset)."""
+    try:
+        with open(record["log"], "rb") as f:
+            f.seek(record.get("log_start", 0))
+            text = f.read().decode(errors="replace")
+    except (KeyError, OSError):
+        return False
+    return any(line.startswith("{") and _kind(line) == "exit" for line in text.splitlines())
+
+
+def _kind(line: str) -> str | None:
+    try:
+        return json.loads(line).get("kind")
+    except (ValueError, AttributeError):
+        return None
 
 
 def end_previous_daemons_leftovers(records: Sequence[dict], grace_s: float) -> list[dict]:

@@ -10,6 +10,7 @@ which it resumes. Faults on cue, in chosen generations:
     --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP
     --hog-at STEP        allocate memory until killed after STEP (an out-of-memory drill)
     --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
+    --linger-s S         stay S seconds after the exit event (a framework's slow teardown)
     --rank-faults R      only rank R misbehaves (default: all)
     --fault-generations G[,G...]   only in these generations (default: all)
 
@@ -55,6 +56,7 @@ def main() -> int:
     ap.add_argument("--hog-at", type=int)
     ap.add_argument("--config")
     ap.add_argument("--ignore-term", action="store_true")
+    ap.add_argument("--linger-s", type=float, default=0.0)     # after the exit event (a framework's teardown)
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
     a = ap.parse_args()
@@ -176,6 +178,7 @@ def main() -> int:
                 time.sleep(1)
     emit(PhaseEvent(rank=rank, generation=generation, phase="exiting", step=step))
     emit(ExitEvent(rank=rank, generation=generation, step=step, reason=reason))
+    time.sleep(a.linger_s)
     return 0
 
 

@@ -234,6 +234,31 @@ def test_killed_daemon_orphans_are_cleaned_up_and_the_run_continues(tmp_path):
     assert _named(events, "generation_start")[0]["resume_step"] >= 10
 
 
+def test_a_killed_daemons_ranks_that_saved_are_not_waited_for_while_they_tear_down(tmp_path):
+    """They save on the parent-death signal and log their exit; what follows (a second of MindSpore's
+    teardown, here a minute) is not waited for: the next daemon ends them, does not count them as
+    killed, and resumes from their save."""
+    run = tmp_path / "run"
+    first = _start(run, fake=["--steps", "100000", "--interval", "100000", "--linger-s", "60"], ranks=2,
+                   overrides=["run.kill_grace_s=30", "run.standby=false"])
+    deadline = time.monotonic() + 30
+    while not (run / "logs" / "rank-1.log").exists() or '"kind": "step"' not in (run / "logs" / "rank-1.log").read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ranks = [o for o in RunState.load(run).processes if o["role"] == "rank"]
+    first.send_signal(signal.SIGKILL)
+    first.communicate()
+    code, events, err = _finish(_start(run, fake=["--steps", "3"], ranks=2,
+                                       overrides=["run.kill_grace_s=30", "run.standby=false"]), timeout=25)
+    assert code == 0, err
+    assert not _named(events, "orphans_killed")               # they had finished, not been killed
+    assert not any(Path(f"/proc/{o['pid']}").exists() and
+                   "fake_worker" in Path(f"/proc/{o['pid']}/cmdline").read_text() for o in ranks)
+    saved = [json.loads(l)["step"] for l in (run / "logs" / "rank-0.log").read_text().splitlines()
+             if l.startswith("{") and json.loads(l).get("kind") == "exit"][0]
+    assert _named(events, "generation_start")[0]["resume_step"] == saved
+
+
 def test_an_orphan_that_exited_unreaped_is_not_waited_for():
     """A killed daemon's rank that saved and exited stays a zombie until PID 1 reaps it, which in a
     container may be never: it has exited, so the next daemon neither waits out its grace for it
