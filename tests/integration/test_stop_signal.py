@@ -28,21 +28,30 @@ RANK = textwrap.dedent("""
     open(out + ".up", "w").close()
     while not stop.requested:
         time.sleep(0.01)
-    time.sleep(1.0)                     # the save
+    time.sleep(2.0)                     # the save
     with open(out, "w") as f:
         f.write(str(stop.signals))
 """)
 
-# The daemon in miniature: many threads, the rank spawned the daemon's way (daemon.generation.spawn).
+# The daemon in miniature: many threads, the rank spawned the daemon's way (daemon.generation.spawn) by
+# a thread that then ends, once the rank is up. The kernel sends the parent-death signal when the rank's
+# parent *thread* dies, and again at each reparenting after: so at least twice once the daemon is
+# killed too, whatever order its threads die in.
 DAEMON = textwrap.dedent("""
-    import signal, sys, threading, time
+    import os, signal, sys, threading, time
     from pathlib import Path
     from daemon.generation import spawn
     for _ in range(16):
         threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
-    w = spawn([sys.executable, sys.argv[1], sys.argv[2]], env={"PYTHONPATH": sys.argv[3]}, role="rank", rank=0,
-              log_path=Path(sys.argv[2] + ".log"), parent_death_signal=signal.SIGTERM)
-    print(w.pid, flush=True)
+    def start():
+        w = spawn([sys.executable, sys.argv[1], sys.argv[2]], env={"PYTHONPATH": sys.argv[3]}, role="rank",
+                  rank=0, log_path=Path(sys.argv[2] + ".log"), parent_death_signal=signal.SIGTERM)
+        while not os.path.exists(sys.argv[2] + ".up"):
+            time.sleep(0.01)
+        print(w.pid, flush=True)
+    spawner = threading.Thread(target=start)
+    spawner.start()
+    spawner.join()
     time.sleep(600)
 """)
 
@@ -73,7 +82,7 @@ def test_a_rank_of_a_killed_daemon_saves_however_many_parent_death_signals_it_ge
 
 def test_a_second_ctrl_c_exits_at_once(tmp_path):
     rank = tmp_path / "rank.py"
-    rank.write_text(RANK.replace("time.sleep(1.0)", "time.sleep(60)"))
+    rank.write_text(RANK.replace("time.sleep(2.0)", "time.sleep(60)"))
     out = tmp_path / "saved"
     proc = subprocess.Popen([sys.executable, str(rank), str(out)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     _wait_for(lambda: Path(f"{out}.up").exists())
