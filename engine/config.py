@@ -137,6 +137,7 @@ class TrainConfig:
     recompute_num_layers: int = 0  # with recompute: how many layers, from the first, recompute; 0 = all
     seed: int = 1234               # parameter init
     compute_threads: int = 0       # intra-op threads per rank; 0 = this machine's cores / local ranks
+    fused_kernels: bool = True     # cpu: RMSNorm, causal softmax, SwiGLU, RoPE as C++ kernels (g++, built once)
     loss_scale_init: float = 65536.0     # fp16: initial dynamic loss scale
     loss_scale_window_steps: int = 1000  # fp16: clean steps before the scale doubles
     loss_scale_min: float = 1.0          # fp16: the scale never halves below this
@@ -637,13 +638,13 @@ def read_config_data(path: str | os.PathLike[str] | None = None, overrides: typi
 
 
 # Keys that may change between a checkpoint and its resumption without changing the
-# trajectory: batch geometry below global_batch, parallel layout, recompute, device,
+# trajectory: batch geometry below global_batch, parallel layout, recompute, fused kernels, device,
 # how often things are logged or saved, where files go.
 _TRAJECTORY_NEUTRAL = {
     "model": {"init_from"},                 # read only when there is no checkpoint yet
     "data": {"verify_checksums", "prefetch_steps"},
     "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "recompute_num_layers", "compute_threads",
-              "log_interval_steps", "steps"},
+              "fused_kernels", "log_interval_steps", "steps"},
     "parallel": "*", "checkpoint": "*", "health": "*", "run": "*",
 }
 

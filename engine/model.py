@@ -19,6 +19,10 @@ the Sub in Softmax's stock gradient), which made small-20m's step 8.9 GB. The
 smaller operand is broadcast first (`ops.broadcast_to`), Softmax gets a gradient
 written that way, and rotate-half is a ±1 permutation matmul; the numbers are
 bit-identical. Ascend keeps the plain forms, which its parallel strategies name.
+
+On the CPU with `train.fused_kernels` (the default), RMSNorm, the causal softmax (with its scale and
+mask), SwiGLU's product and RoPE are each one C++ kernel forward and one backward (engine/fused_cpu.py),
+where MindSpore's CPU graph launches 4-15 small kernels for each; same numbers to float rounding.
 """
 from __future__ import annotations
 
@@ -75,15 +79,20 @@ def _like(small, x, explicit: bool):
 
 
 class RMSNorm(nn.Cell):
-    def __init__(self, size: int, eps: float, explicit_broadcast: bool = False):
+    def __init__(self, size: int, eps: float, explicit_broadcast: bool = False, fused=None):
         super().__init__()
         self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
         self.eps = eps
         self.explicit = explicit_broadcast
         self.mul = ops.Mul()                 # x * weight: split along the tokens under sequence parallelism
+        self.fused = fused                   # engine.fused_cpu.FusedKernels, or None
+        if fused is not None:
+            self.eps_t = fused.scalar(eps)
 
     def construct(self, x):
         x = x.astype(ms.float32)
+        if self.fused is not None:
+            return self.fused.rms_norm(x, self.weight, self.eps_t)
         inv_rms = ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
         return self.mul(x * _like(inv_rms, x, self.explicit), _like(self.weight, x, self.explicit))
 
@@ -91,7 +100,7 @@ class RMSNorm(nn.Cell):
 class LayerNorm(nn.Cell):
     """Written out: LayerNormExt has no CPU kernel."""
 
-    def __init__(self, size: int, eps: float, explicit_broadcast: bool = False):
+    def __init__(self, size: int, eps: float, explicit_broadcast: bool = False, fused=None):
         super().__init__()
         self.weight = Parameter(_Init.const((size,), 1.0), name="weight")
         self.bias = Parameter(_Init.const((size,), 0.0), name="bias")
@@ -146,7 +155,7 @@ def rotate_half(x):
 
 class Attention(nn.Cell):
     def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, rotary: bool,
-                 explicit_broadcast: bool = False):
+                 explicit_broadcast: bool = False, fused=None):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         bias = cfg.arch == "gpt2"
@@ -165,12 +174,17 @@ class Attention(nn.Cell):
             self.softmax = Softmax()
             self.rotate = ops.MatMul()
             self.rotation = Tensor(rotate_half_matrix(d))
+        self.fused = fused
+        if fused is not None:
+            self.scale_t = fused.scalar(self.scale)
 
     def _heads(self, x, n):
         b, t, _ = x.shape
         return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)        # (B, n, T, d)
 
     def _rope(self, x, cos, sin):
+        if self.fused is not None:
+            return self.fused.rope(x, cos, sin)
         if not self.explicit:
             return x * cos + rotate_half(x) * sin
         rotated = self.rotate(x.reshape(-1, self.head_dim), ops.stop_gradient(self.rotation)).reshape(x.shape)
@@ -191,30 +205,36 @@ class Attention(nn.Cell):
         cd = self.compute_dtype
         q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
         scores = self.qk(q.astype(cd), k.astype(cd).transpose(0, 1, 3, 2)).astype(ms.float32)
-        scores = scores.reshape(b, kv, rep, t, t) * self.scale                 # (B, kv, rep, T, T)
-        scores = scores + _like(mask, scores, self.explicit)
-        probs = self.softmax(scores).reshape(b, kv, rep * t, t)
+        if self.fused is not None:      # the scale and the causal mask inside the kernel
+            probs = self.fused.causal_softmax(scores.reshape(b, kv * rep, t, t), self.scale_t)
+        else:
+            scores = scores.reshape(b, kv, rep, t, t) * self.scale             # (B, kv, rep, T, T)
+            scores = scores + _like(mask, scores, self.explicit)
+            probs = self.softmax(scores)
+        probs = probs.reshape(b, kv, rep * t, t)
         out = self.pv(probs.astype(cd), v.astype(cd))                         # (B, kv, rep*T, d)
         out = out.reshape(b, self.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * d)
         return self.o_proj(out).astype(ms.float32)
 
 
 class SwiGLU(nn.Cell):
-    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype):
+    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, fused=None):
         super().__init__()
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.gate_proj = Linear(init, h, f, compute_dtype=compute_dtype)
         self.up_proj = Linear(init, h, f, compute_dtype=compute_dtype)
         self.down_proj = Linear(init, f, h, std=out_std, compute_dtype=compute_dtype)
+        self.fused = fused
 
     def construct(self, x):
         gate = self.gate_proj(x).astype(ms.float32)
         up = self.up_proj(x).astype(ms.float32)
-        return self.down_proj(ops.silu(gate) * up).astype(ms.float32)
+        product = self.fused.swiglu(gate, up) if self.fused is not None else ops.silu(gate) * up
+        return self.down_proj(product).astype(ms.float32)
 
 
 class GeluMLP(nn.Cell):
-    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype):
+    def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, fused=None):
         super().__init__()
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.up_proj = Linear(init, h, f, bias=True, compute_dtype=compute_dtype)
@@ -225,16 +245,18 @@ class GeluMLP(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False):
+    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False,
+                 fused=None):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         llama = cfg.arch == "llama"
         norm = RMSNorm if llama else LayerNorm
         e = explicit_broadcast
-        self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e)
-        self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama, explicit_broadcast=e)
-        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e)
-        self.mlp = (SwiGLU if llama else GeluMLP)(cfg, init, out_std, compute_dtype)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e, fused)
+        self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama, explicit_broadcast=e,
+                                   fused=fused)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e, fused)
+        self.mlp = (SwiGLU if llama else GeluMLP)(cfg, init, out_std, compute_dtype, fused)
         self.add_attn, self.add_mlp = ops.Add(), ops.Add()     # the residuals (split like the norms)
 
     def construct(self, x, cos, sin, mask):
@@ -257,16 +279,17 @@ class Embedding(nn.Cell):
 class DecoderModel(nn.Cell):
     """The trunk, named like Hugging Face's `LlamaModel` (`model.` prefix in the full network)."""
 
-    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False):
+    def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False,
+                 fused=None):
         super().__init__()
         self.explicit = explicit_broadcast
         self.embed_tokens = Embedding(init.normal((cfg.vocab_size, cfg.hidden_size)))
         self.embed_positions = (Embedding(init.normal((cfg.max_seq_len, cfg.hidden_size)))
                                 if cfg.arch == "gpt2" else None)
-        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype, explicit_broadcast)
+        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype, explicit_broadcast, fused)
                                    for _ in range(cfg.num_layers)])
         self.norm = (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.hidden_size, cfg.norm_eps,
-                                                                    explicit_broadcast)
+                                                                    explicit_broadcast, fused)
         cos, sin = rotary_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, dtype=np.float32), k=1)
@@ -284,16 +307,22 @@ class DecoderModel(nn.Cell):
 
 
 class CausalLM(nn.Cell):
-    """tokens (B, T) → mean next-token cross-entropy; `logits` exposes the (B, T, vocab) scores."""
-
+    """tokens (B, T) → mean next-token cross-entropy; `logits` exposes the (B, T, vocab) scores.
+    fused_kernels: the CPU's fused C++ kernels (engine/fused_cpu.py), where they can be built."""
 
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False):
+                 explicit_broadcast: bool = False, fused_kernels: bool = False):
         super().__init__()
         init = _Init(seed, cfg.init_std)
         dtype = DTYPES[compute_dtype]
         self.config = cfg
-        self.model = DecoderModel(cfg, init, dtype, explicit_broadcast)
+        fused = None
+        if fused_kernels:
+            from engine import fused_cpu
+
+            fused = fused_cpu.kernels()
+        self.fused = fused is not None
+        self.model = DecoderModel(cfg, init, dtype, explicit_broadcast, fused)
         self.lm_head = None if cfg.tie_embeddings else Linear(init, cfg.hidden_size, cfg.vocab_size,
                                                               compute_dtype=dtype)
         self.compute_dtype = dtype
@@ -352,8 +381,10 @@ def build_model(config) -> CausalLM:
     from engine import sharding
 
     cls = PipelinedCausalLM if config.parallel.pp > 1 else CausalLM
+    cpu = config.train.device == "cpu"
+    kwargs = {"fused_kernels": cpu and config.train.fused_kernels} if cls is CausalLM else {}
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
-              recompute_layers=config.recompute_layers, explicit_broadcast=config.train.device == "cpu")
+              recompute_layers=config.recompute_layers, explicit_broadcast=cpu, **kwargs)
     sharding.apply_to_model(net, config)
     return net
 

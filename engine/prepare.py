@@ -229,11 +229,16 @@ def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte
     return manifest
 
 
-def default_corpus_dir(env=os.environ) -> Path:
-    """Where the embedded stdlib corpus is prepared on first use: systemd's cache, XDG's, or ~/.cache."""
+def cache_root(env=os.environ) -> Path:
+    """This project's cache: under systemd's cache directory, XDG's, or ~/.cache."""
     base = env.get("CACHE_DIRECTORY") or env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base.split(":")[0]) / "llm-pretrain"
+
+
+def default_corpus_dir(env=os.environ) -> Path:
+    """Where the embedded stdlib corpus is prepared on first use (in cache_root)."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    return Path(base.split(":")[0]) / "llm-pretrain" / f"corpus-stdlib-{version}-byte-v{VERSION}"
+    return cache_root(env) / f"corpus-stdlib-{version}-byte-v{VERSION}"
 
 
 def ensure_default_corpus(log: TextIO = sys.stderr) -> Path:

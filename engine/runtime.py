@@ -107,7 +107,10 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU" if cfg.train.device == "cpu" else "Ascend")
     if cfg.train.device == "cpu":
+        from engine import fused_cpu
+
         ms.device_context.cpu.op_tuning.threads_num(compute_threads(cfg, local_world))
+        fused_cpu.set_threads(compute_threads(cfg, local_world))
         ms.runtime.set_memory(init_size=CPU_POOL_BLOCK, increase_size=CPU_POOL_BLOCK)
     ms.set_seed(cfg.train.seed)
     if not member:
