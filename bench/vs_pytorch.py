@@ -6,9 +6,9 @@ Three implementations of one LLaMA shape, each in its own process, interleaved
 - `project`: this project's compiled step (engine.worker.Trainer: loss scaling,
   finite check, global-norm clipping, AdamW, the events' host values), fed by its
   own input pipeline;
-- `mindspore`: the same network (engine.model.CausalLM) under MindSpore's stock
-  `nn.TrainOneStepCell` and `nn.AdamWeightDecay`, random token batches: what the
-  project adds on top of MindSpore;
+- `mindspore`: the same network (engine.model.CausalLM) built from MindSpore's stock
+  ops (`train.fused_kernels = false`: no C++ kernels of this project's) under
+  `nn.TrainOneStepCell` and `nn.AdamWeightDecay`, random token batches;
 - `torch`: Hugging Face's `LlamaForCausalLM` (transformers, SDPA attention) with
   `torch.optim.AdamW` and `clip_grad_norm_`, eager, the same shapes and batches.
 
@@ -94,6 +94,9 @@ def run_mindspore(cfg, warmup: int, steps: int) -> dict:
     from engine import runtime
     from engine.model import build_model
 
+    from engine.config import with_changes
+
+    cfg = with_changes(cfg, {"train.fused_kernels": False})
     runtime.setup(cfg)
     net = build_model(cfg)
     o = cfg.optim
