@@ -92,9 +92,8 @@ def run_mindspore(cfg, warmup: int, steps: int) -> dict:
     from mindspore import Tensor, nn
 
     from engine import runtime
-    from engine.model import build_model
-
     from engine.config import with_changes
+    from engine.model import build_model
 
     cfg = with_changes(cfg, {"train.fused_kernels": False})
     runtime.setup(cfg)

@@ -245,6 +245,16 @@ extern "C" int SwiGluBwd(int, void **params, int *ndims, int64_t **shapes, const
   return 0;
 }
 
+// RoPE's shapes: x [..., T, D] with D even, cos and sin [T, D]; false where they are not.
+static bool RopeShape(int *ndims, int64_t **shapes, int64_t *d, int64_t *t, int64_t *n) {
+  const int nd = ndims[0];
+  if (nd < 2 || ndims[1] != 2 || ndims[2] != 2) return false;
+  *d = shapes[0][nd - 1];
+  *t = shapes[0][nd - 2];
+  *n = Rows(nd, shapes[0]);
+  return *d % 2 == 0 && shapes[1][0] == *t && shapes[1][1] == *d && shapes[2][0] == *t && shapes[2][1] == *d;
+}
+
 // Rotary embedding, Hugging Face's rotate-half layout. In: x [..., T, D], cos [T, D], sin [T, D].
 // Out: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[D/2:], x[:D/2]).
 extern "C" int RopeFwd(int, void **params, int *ndims, int64_t **shapes, const char **, void *, void *) {
@@ -252,9 +262,9 @@ extern "C" int RopeFwd(int, void **params, int *ndims, int64_t **shapes, const c
   const float *c = static_cast<const float *>(params[1]);
   const float *s = static_cast<const float *>(params[2]);
   float *y = static_cast<float *>(params[3]);
-  const int nd = ndims[0];
-  const int64_t d = shapes[0][nd - 1], t = shapes[0][nd - 2], half = d / 2, n = Rows(nd, shapes[0]);
-  if (nd < 2 || d % 2 != 0 || shapes[1][0] != t || shapes[1][1] != d) return 1;
+  int64_t d, t, n;
+  if (!RopeShape(ndims, shapes, &d, &t, &n)) return 1;
+  const int64_t half = d / 2;
   ForRanges(n, n * d, [&](int64_t b, int64_t e) {
     for (int64_t row = b; row < e; ++row) {
       const float *xi = x + row * d, *ci = c + (row % t) * d, *si = s + (row % t) * d;
@@ -272,8 +282,9 @@ extern "C" int RopeBwd(int, void **params, int *ndims, int64_t **shapes, const c
   const float *c = static_cast<const float *>(params[1]);
   const float *s = static_cast<const float *>(params[2]);
   float *dx = static_cast<float *>(params[3]);
-  const int nd = ndims[0];
-  const int64_t d = shapes[0][nd - 1], t = shapes[0][nd - 2], half = d / 2, n = Rows(nd, shapes[0]);
+  int64_t d, t, n;
+  if (!RopeShape(ndims, shapes, &d, &t, &n)) return 1;
+  const int64_t half = d / 2;
   ForRanges(n, n * d, [&](int64_t b, int64_t e) {
     for (int64_t row = b; row < e; ++row) {
       const float *gi = dy + row * d, *ci = c + (row % t) * d, *si = s + (row % t) * d;

@@ -24,17 +24,23 @@ from pathlib import Path
 from durable import write_atomically
 
 SOURCE = Path(__file__).with_name("fused_cpu.cc")
-FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-trapping-math", "-fno-math-errno")
-# (these two let the compiler vectorise selects and sqrt; no -ffast-math: NaN and Inf must survive)
+# -fno-trapping-math and -fno-math-errno let the compiler vectorise selects and sqrt; no -ffast-math:
+# NaN and Inf must survive
+FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-trapping-math",
+         "-fno-math-errno")
 COMPILER = "g++"            # or $CXX
 
 _threads = 1
-_built: tuple[Path | None, str] | None = None      # (library, why not) once tried in this process
+_built: tuple[Path | None] | None = None      # (the library, or None where it failed) once tried
 _kernels = None
 
 
 class BuildError(RuntimeError):
     """The library could not be built (no compiler, a compile error, nowhere to write)."""
+
+
+class UnwritableError(BuildError):
+    """The directory for the library cannot be written."""
 
 
 def set_threads(count: int) -> None:
@@ -70,7 +76,7 @@ def build(out_dir: Path, *, compiler: str = COMPILER, source: Path = SOURCE) -> 
         fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", dir=out_dir)
         os.close(fd)
     except OSError as e:
-        raise BuildError(f"cannot write the kernels to {out_dir}: {e}") from None
+        raise UnwritableError(f"cannot write the kernels to {out_dir}: {e}") from None
     try:
         done = subprocess.run([*cxx, *FLAGS, "-o", tmp, str(source)], capture_output=True, text=True,
                               timeout=300)
@@ -91,14 +97,12 @@ def library(env=os.environ) -> Path | None:
         try:
             try:
                 lib = build(cache_dir(env), compiler=compiler)
-            except BuildError as first:
-                if "cannot write" not in str(first):
-                    raise
+            except UnwritableError:
                 lib = build(Path(tempfile.gettempdir()) / f"llm-pretrain-kernels-{os.getuid()}", compiler=compiler)
             ctypes.CDLL(str(lib)).LlmPretrainSetThreads(_threads)
-            _built = (lib, "")
+            _built = (lib,)
         except BuildError as e:
-            _built = (None, str(e))
+            _built = (None,)
             print(f"llm-pretrain: fused CPU kernels unavailable, using MindSpore's own ops (slower on small "
                   f"models): {e}; install g++ (or set $CXX), or set train.fused_kernels = false",
                   file=sys.stderr, flush=True)

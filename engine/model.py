@@ -371,9 +371,9 @@ class PipelinedCausalLM(CausalLM):
 
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False):
+                 explicit_broadcast: bool = False, fused_kernels: bool = False):
         super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers,
-                         explicit_broadcast=explicit_broadcast)
+                         explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels)
 
 
 def build_model(config) -> CausalLM:
@@ -382,9 +382,9 @@ def build_model(config) -> CausalLM:
 
     cls = PipelinedCausalLM if config.parallel.pp > 1 else CausalLM
     cpu = config.train.device == "cpu"
-    kwargs = {"fused_kernels": cpu and config.train.fused_kernels} if cls is CausalLM else {}
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
-              recompute_layers=config.recompute_layers, explicit_broadcast=cpu, **kwargs)
+              recompute_layers=config.recompute_layers, explicit_broadcast=cpu,
+              fused_kernels=cpu and config.train.fused_kernels)
     sharding.apply_to_model(net, config)
     return net
 

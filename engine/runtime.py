@@ -109,8 +109,9 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     if cfg.train.device == "cpu":
         from engine import fused_cpu
 
-        ms.device_context.cpu.op_tuning.threads_num(compute_threads(cfg, local_world))
-        fused_cpu.set_threads(compute_threads(cfg, local_world))
+        threads = compute_threads(cfg, local_world)
+        ms.device_context.cpu.op_tuning.threads_num(threads)
+        fused_cpu.set_threads(threads)
         ms.runtime.set_memory(init_size=CPU_POOL_BLOCK, increase_size=CPU_POOL_BLOCK)
     ms.set_seed(cfg.train.seed)
     if not member:

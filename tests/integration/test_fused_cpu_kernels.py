@@ -101,6 +101,16 @@ def test_causal_softmax_refuses_scores_that_are_not_square(lib):
         call(lib, "CausalSoftmaxFwd", [np.zeros((2, 4, 5)), np.array([1.0])], [(2, 4, 5)])
 
 
+@pytest.mark.parametrize("name", ["RopeFwd", "RopeBwd"])
+def test_rope_refuses_tables_that_do_not_fit(lib, name):
+    x = np.zeros((2, 5, 8))
+    for cos, sin in [(np.zeros((4, 8)), np.zeros((5, 8))), (np.zeros((5, 8)), np.zeros((5, 6)))]:
+        with pytest.raises(RuntimeError, match="returned 1"):
+            call(lib, name, [x, cos, sin], [x.shape])
+    with pytest.raises(RuntimeError, match="returned 1"):
+        call(lib, name, [np.zeros((2, 5, 7)), np.zeros((5, 7)), np.zeros((5, 7))], [(2, 5, 7)])
+
+
 def test_swiglu_forward_and_backward_match_numpy(lib):
     g = rng(10).normal(size=(6, 33)).astype(np.float32) * 4
     u = rng(11).normal(size=g.shape).astype(np.float32)
