@@ -105,6 +105,12 @@ class TrainStep(StepState):
         self.loss_buffer = Parameter(Tensor(0.0, ms.float32), name="grad_acc.loss", requires_grad=False)
         self.shapes = tuple(tuple(p.shape) for p in self.params)
         self.grad_size = int(sum(np.prod(shape) for shape in self.shapes))
+        # the CPU's fused kernels: unscale, norm and clip in one kernel (engine/fused_cpu.py)
+        self.clipper = None
+        if getattr(net, "fused", False):
+            from engine import fused_cpu
+
+            self.clipper = fused_cpu.kernels().grad_clipper(self.shapes, self.grad_clip)
 
         def scaled_loss(tokens, targets, multiplier):
             loss = self.net(tokens, targets)
@@ -155,12 +161,26 @@ class TrainStep(StepState):
         Unscaling, the finite check, the global norm and clipping run on the one flat buffer (a
         handful of kernels, where per-parameter ops cost ~7 launches per parameter); only the
         split and AdamW's update are per parameter. A NaN or Inf anywhere makes the sum of
-        squares, hence the norm, non-finite, so the norm is the finite check."""
+        squares, hence the norm, non-finite, so the norm is the finite check. With the CPU's fused
+        kernels all of that but the update is one kernel (fused_cpu.GradClipper), and one rank
+        builds no buffer at all."""
+        if self.clipper is not None and self.all_reduce is None:
+            return self._apply_clipped(grads, loss, lr, control)        # no buffer to build
         flat, loss, agreed = self._flatten_and_reduce(grads, loss, control)
         return self._apply_flat(flat, loss, lr, agreed)
 
+    def _apply_clipped(self, parts, loss, lr, agreed):
+        """_apply_flat in the fused kernel: parts, the gradients as one flat buffer or one per parameter."""
+        grads, grad_norm = self.clipper(parts, 1.0 / (self.scaler.scale * self.accum_steps * self.dp))
+        finite = ops.isfinite(grad_norm)
+        done, scale_used = self._update(grads, finite, lr)
+        loss = loss / (self.accum_steps * self.dp)
+        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
+
     def _apply_flat(self, flat, loss, lr, agreed):
         """flat: every gradient, summed over ranks and micro-batches, still scaled; loss likewise."""
+        if self.clipper is not None:
+            return self._apply_clipped([flat], loss, lr, agreed)
         flat = flat * (1.0 / (self.scaler.scale * self.accum_steps * self.dp))
         loss = loss / (self.accum_steps * self.dp)
         grad_norm = ops.sqrt(ops.reduce_sum(ops.square(flat)))

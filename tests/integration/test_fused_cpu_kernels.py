@@ -14,7 +14,9 @@ from tests.cxx import cxx
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    return ctypes.CDLL(str(fused_cpu.build(tmp_path_factory.mktemp("kernels"), compiler=cxx())))
+    built = ctypes.CDLL(str(fused_cpu.build(tmp_path_factory.mktemp("kernels"), compiler=cxx())))
+    built.LlmPretrainThreadsFor.restype = ctypes.c_int64
+    return built
 
 
 def call(lib, name: str, inputs: list[np.ndarray], out_shapes: list[tuple[int, ...]], threads: int = 1):
@@ -154,26 +156,101 @@ def test_rope_forward_matches_numpy_and_its_backward_is_the_adjoint(lib):
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
 def test_every_kernel_gives_the_same_bits_on_any_thread_count(lib, threads):
-    """Large enough inputs that the kernels do split across threads."""
-    x = rng(16).normal(size=(1000, 96)).astype(np.float32)
-    w = rng(17).normal(size=96).astype(np.float32)
-    s = rng(18).normal(size=(2, 3, 96, 96)).astype(np.float32)
-    cos, sin = np.cos(x[:96, :32]), np.sin(x[:96, :32])
-    q = rng(19).normal(size=(4, 4, 96, 32)).astype(np.float32)
-    cases = [("RmsNormFwd", [x, w, np.array([1e-5])], [x.shape, x.shape[:-1]]),
-             ("RmsNormBwd", [x[::-1], x, w, np.abs(x[:, 0])], [x.shape, w.shape]),
-             ("CausalSoftmaxFwd", [s, np.array([0.2])], [s.shape]),
-             ("CausalSoftmaxBwd", [np.abs(s), s, np.array([0.2])], [s.shape]),
-             ("SwiGluFwd", [x, x[::-1]], [x.shape]),
-             ("SwiGluBwd", [x, x[::-1], x * 2], [x.shape, x.shape]),
-             ("RopeFwd", [q, cos, sin], [q.shape]),
-             ("RopeBwd", [q, cos, sin], [q.shape])]
-    for name, inputs, shapes in cases:
-        one = call(lib, name, inputs, shapes, threads=1)
-        many = call(lib, name, inputs, shapes, threads=threads)
+    """Inputs large enough that every kernel does split across `threads` threads (checked: a kernel
+    starts threads only for ~1M elements of work a thread)."""
+    x = rng(16).normal(size=(20480, 256)).astype(np.float32)
+    w = rng(17).normal(size=256).astype(np.float32)
+    s = rng(18).normal(size=(16, 5, 256, 256)).astype(np.float32)
+    q = rng(19).normal(size=(8, 8, 2560, 32)).astype(np.float32)
+    cos, sin = np.cos(q[0, 0]), np.sin(q[0, 1])
+    grads = [x[:, :100], x[:7, 100:], x[:, 56:]]
+    shapes = [g.shape for g in grads]
+    one_scale = np.array([1 / 8.0])
+    cases = [("RmsNormFwd", [x, w, np.array([1e-5])], [x.shape, x.shape[:-1]], (x.shape[0], x.size)),
+             ("RmsNormBwd", [x[::-1], x, w, np.abs(x[:, 0])], [x.shape, w.shape], (x.shape[0] // 64, x.size)),
+             ("CausalSoftmaxFwd", [s, np.array([0.2])], [s.shape], (s.size // 256, s.size * 4)),
+             ("CausalSoftmaxBwd", [np.abs(s), s, np.array([0.2])], [s.shape], (s.size // 256, s.size)),
+             ("SwiGluFwd", [x, x[::-1]], [x.shape], (x.size, x.size * 4)),
+             ("SwiGluBwd", [x, x[::-1], x * 2], [x.shape, x.shape], (x.size, x.size * 4)),
+             ("RopeFwd", [q, cos, sin], [q.shape], (q.size // 32, q.size)),
+             ("RopeBwd", [q, cos, sin], [q.shape], (q.size // 32, q.size)),
+             ("ClipGrads", [np.array([3.0]), one_scale, np.array([0.5]), *grads], [*shapes, (1,)],
+              (sum(g.size for g in grads) // 65536, sum(g.size for g in grads)))]
+    for name, inputs, out_shapes, (items, work) in cases:
+        lib.LlmPretrainSetThreads(threads)
+        assert lib.LlmPretrainThreadsFor(ctypes.c_int64(items), ctypes.c_int64(work)) == threads, name
+        one = call(lib, name, inputs, out_shapes, threads=1)
+        many = call(lib, name, inputs, out_shapes, threads=threads)
         for a, b in zip(one, many):
             assert a.tobytes() == b.tobytes(), name
             assert np.isfinite(a).all(), name
+
+
+def _clip(parts, shapes, inv, clip, lib):
+    return call(lib, "ClipGrads", [np.array([float(len(parts))]), np.array([inv]), np.array([clip]), *parts],
+                [*shapes, (1,)])
+
+
+def test_clip_grads_unscales_measures_and_clips_as_numpy_does(lib):
+    grads = [rng(30).normal(size=shape).astype(np.float32) * 1024 for shape in [(64, 32), (32,), (7, 3, 5)]]
+    shapes = [g.shape for g in grads]
+    flat64 = np.concatenate([g.ravel() for g in grads]).astype(np.float64) / 1024
+    norm64 = np.sqrt((flat64 ** 2).sum())
+    for clip, coef in [(1.0, min(1.0, 1.0 / (norm64 + 1e-6))), (1e9, 1.0), (0.0, 1.0)]:
+        *out, norm = _clip(grads, shapes, 1 / 1024, clip, lib)
+        assert norm.shape == (1,) and norm[0] == pytest.approx(norm64, rel=1e-6)
+        for g, o in zip(grads, out):
+            close(o, g.astype(np.float64) / 1024 * coef, rtol=1e-6, atol=0)
+    assert coef == 1.0 and norm64 > 1.0          # the first case did clip
+
+
+def test_clip_grads_cuts_one_flat_buffer_into_the_parameters_shapes(lib):
+    """The data-parallel step hands it the summed flat buffer; the one-rank step each gradient: same bits."""
+    grads = [rng(31).normal(size=shape).astype(np.float32) for shape in [(300, 70), (70,), (1, 9), (70, 300)]]
+    shapes = [g.shape for g in grads]
+    flat = np.concatenate([g.ravel() for g in grads])
+    per_param = _clip(grads, shapes, 0.5, 1.0, lib)
+    from_flat = _clip([flat], shapes, 0.5, 1.0, lib)
+    for a, b in zip(per_param, from_flat):
+        assert a.tobytes() == b.tobytes()
+    reverse = _clip([flat[:5], flat[5:]], [flat.shape], 0.5, 1.0, lib)    # and back into one buffer
+    assert reverse[0].tobytes() == np.concatenate([o.ravel() for o in per_param[:-1]]).tobytes()
+
+
+def test_clip_grads_gives_a_non_finite_norm_for_any_nan_or_inf_and_refuses_mismatched_sizes(lib):
+    for bad in (np.nan, np.inf):
+        grads = [np.ones((4, 4), np.float32), np.ones(3, np.float32)]
+        grads[1][2] = bad
+        *_, norm = _clip(grads, [(4, 4), (3,)], 1.0, 1.0, lib)
+        assert not np.isfinite(norm[0])
+    with pytest.raises(RuntimeError, match="ClipGrads returned 2"):
+        _clip([np.ones(5, np.float32)], [(4,)], 1.0, 1.0, lib)
+
+
+def test_the_avx2_library_gives_the_baseline_librarys_bits(tmp_path):
+    """Machines that share a cache directory may build for different ISAs: their numbers must agree."""
+    if not fused_cpu.isa_flags():
+        pytest.skip("this CPU has no AVX2")
+    base = ctypes.CDLL(str(fused_cpu.build(tmp_path / "base", compiler=cxx(), isa=())))
+    avx2 = ctypes.CDLL(str(fused_cpu.build(tmp_path / "avx2", compiler=cxx(), isa=("-mavx2",))))
+    x = rng(40).normal(size=(203, 67)).astype(np.float32) * 4
+    s = rng(41).normal(size=(3, 37, 37)).astype(np.float32) * 8
+    cases = [("SwiGluFwd", [x, x[::-1]], [x.shape]), ("SwiGluBwd", [x, x[::-1], x * 2], [x.shape, x.shape]),
+             ("CausalSoftmaxFwd", [s, np.array([0.3])], [s.shape]),
+             ("RmsNormFwd", [x, x[0], np.array([1e-5])], [x.shape, x.shape[:-1]])]
+    for name, inputs, shapes in cases:
+        for a, b in zip(call(base, name, inputs, shapes), call(avx2, name, inputs, shapes)):
+            assert a.tobytes() == b.tobytes(), name
+
+
+def test_isa_flags_name_avx2_only_on_an_x86_cpu_that_has_it(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\n")
+    assert fused_cpu.isa_flags(info, machine="x86_64") == ("-mavx2",)
+    assert fused_cpu.isa_flags(info, machine="aarch64") == ()
+    info.write_text("flags\t\t: fpu sse sse2 avx\n")
+    assert fused_cpu.isa_flags(info, machine="x86_64") == ()
+    assert fused_cpu.isa_flags(tmp_path / "missing", machine="x86_64") == ()
 
 
 def test_a_nan_reaches_the_outputs_it_touches(lib):
