@@ -94,6 +94,11 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
           f"start-up on the standby {_named(events, 'compiling')[1]['startup_s']}, "
           f"crash event to the first step {_seconds(crash, back):.2f} s")
     assert "-1" not in start["pids"]            # a local group (parallel.local_reduce): no MindSpore scheduler
+    if len(os.sched_getaffinity(0)) >= 2:       # parallel.bind_cores: each rank, every generation, on its own core(s)
+        bound = {r: re.findall(r"local rank \d of 2 runs on cores ([\d,]+) \(every thread: (\w+)\)",
+                               (run / "logs" / f"rank-{r}.log").read_text()) for r in (0, 1)}
+        assert all(len(b) >= 2 and all(ok == "True" for _, ok in b) for b in bound.values()), bound
+        assert not set(bound[0][-1][0].split(",")) & set(bound[1][-1][0].split(",")), bound
     # the standby's ranks, from a RAM checkpoint, train exactly what fresh ranks would: the same parameters as a
     # run never killed (with no RAM tier), and summing through MindSpore's cluster and AllReduce instead
     (tmp_path / "again").mkdir()

@@ -41,3 +41,16 @@ def test_a_local_groups_rank_gets_its_rank_world_and_the_generations_files_and_n
 def test_without_the_group_variables_a_rank_is_alone_or_msruns():
     assert runtime.local_group({}) is None
     assert runtime.local_group({"MS_ROLE": "MS_WORKER"}) is None and runtime.is_cluster_member({"MS_ROLE": "MS_WORKER"})
+
+
+@pytest.mark.parametrize("rank, world, cores, share", [
+    (0, 2, {0, 1}, [0]), (1, 2, {1, 0}, [1]),
+    (1, 2, {7, 3, 1, 5}, [5, 7]),                  # the cores this process may use, whichever they are
+    (2, 3, set(range(8)), [4, 5]),                 # equal shares; the leftover cores stay unused
+    (1, 2, {0}, None),                             # fewer cores than ranks: not bound
+])
+def test_each_local_rank_gets_its_own_equal_share_of_the_cores(rank, world, cores, share):
+    assert runtime.core_share(rank, world, cores) == share
+    if share is not None:
+        others = [runtime.core_share(r, world, cores) for r in range(world) if r != rank]
+        assert all(not set(share) & set(o) for o in others)
