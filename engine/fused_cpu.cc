@@ -127,43 +127,31 @@ constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
 constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
                 kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
 
-KINLINE VF Exp(VF x) {
-  VF xc = Select(x < kExpLo, Splat(kExpLo), x);
-  xc = Select(xc > kExpHi, Splat(kExpHi), xc);
-  const VF nf = (xc * kLog2e + kRound) - kRound;
-  const VI n = __builtin_convertvector(nf, VI);
-  const VF r = (xc - nf * kLn2Hi) - nf * kLn2Lo;
-  VF p = Splat(kP0);
-  p = p * r + kP1;
-  p = p * r + kP2;
-  p = p * r + kP3;
-  p = p * r + kP4;
-  p = p * r + kP5;
-  const VF e = p * (r * r) + r + 1.0f;
-  const VI bits = (n + 127) << 23;                        // 2^n; n = -127 gives 0
-  VF scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return e * scale;
-}
+KINLINE float Select(bool mask, float a, float b) { return mask ? a : b; }
+KINLINE int32_t ToInt(float v) { return static_cast<int32_t>(v); }
+KINLINE VI ToInt(VF v) { return __builtin_convertvector(v, VI); }
 
-KINLINE float Exp(float x) {
-  float xc = x < kExpLo ? kExpLo : x;
-  xc = xc > kExpHi ? kExpHi : xc;
-  const float nf = (xc * kLog2e + kRound) - kRound;
-  const int32_t n = static_cast<int32_t>(nf);
-  const float r = (xc - nf * kLn2Hi) - nf * kLn2Lo;
-  float p = kP0;
+template <class F, class I>
+KINLINE F ExpOf(F x) {
+  F xc = Select(x < kExpLo, F{} + kExpLo, x);
+  xc = Select(xc > kExpHi, F{} + kExpHi, xc);
+  const F nf = (xc * kLog2e + kRound) - kRound;
+  const I n = ToInt(nf);
+  const F r = (xc - nf * kLn2Hi) - nf * kLn2Lo;
+  F p = F{} + kP0;
   p = p * r + kP1;
   p = p * r + kP2;
   p = p * r + kP3;
   p = p * r + kP4;
   p = p * r + kP5;
-  const float e = p * (r * r) + r + 1.0f;
-  const int32_t bits = (n + 127) << 23;
-  float scale;
+  const F e = p * (r * r) + r + 1.0f;
+  const I bits = (n + 127) << 23;                         // 2^n; n = -127 gives 0
+  F scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return e * scale;
 }
+KINLINE VF Exp(VF x) { return ExpOf<VF, VI>(x); }
+KINLINE float Exp(float x) { return ExpOf<float, int32_t>(x); }
 
 // out[j] = exp(in[j] * scale - shift), j < n.
 void ExpShifted(const float *in, float scale, float shift, float *out, int64_t n) {
