@@ -53,10 +53,12 @@ def is_cluster_member(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def compute_threads(cfg: Config, local_world_size: int) -> int:
-    """Intra-op threads for this rank: the config's, else an equal share of the cores (at least 1)."""
+    """Intra-op threads for this rank: the config's, else an equal share of the cores this process may
+    use (its CPU affinity: a cpuset or systemd's CPUAffinity= can give it fewer than the machine's), at
+    least 1; the same share parallel.bind_cores binds it to."""
     if cfg.train.compute_threads:
         return cfg.train.compute_threads
-    return max(1, (os.cpu_count() or 1) // local_world_size)
+    return max(1, len(os.sched_getaffinity(0)) // local_world_size)
 
 
 def core_share(rank: int, world: int, cores) -> list[int] | None:

@@ -54,3 +54,17 @@ def test_each_local_rank_gets_its_own_equal_share_of_the_cores(rank, world, core
     if share is not None:
         others = [runtime.core_share(r, world, cores) for r in range(world) if r != rank]
         assert all(not set(share) & set(o) for o in others)
+
+
+def test_a_ranks_default_threads_are_its_share_of_the_cores_it_may_use():
+    """Of the CPUs this process may use (a cpuset, systemd's CPUAffinity=), not of the machine's."""
+    cfg = load_config(None, ["parallel.dp=2", "train.micro_batch=4"])
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})          # as a cpuset of one core would
+        assert runtime.compute_threads(cfg, 1) == 1 and runtime.compute_threads(cfg, 2) == 1
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert runtime.compute_threads(cfg, 1) == len(allowed)
+    assert runtime.compute_threads(cfg, 2) == max(1, len(allowed) // 2)
+    assert runtime.compute_threads(load_config(None, ["train.compute_threads=3"]), 2) == 3
