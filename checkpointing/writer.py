@@ -33,10 +33,11 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import numpy as np
-from safetensors.numpy import save as safetensors_bytes
+import safetensors.numpy as safetensors_numpy
 
 import durable
 from checkpointing import CheckpointError, layout, retention
+from checkpointing.safetensors_parts import safetensors_parts
 
 FORMAT = "llm-pretrain-checkpoint"
 VERSION = 1
@@ -44,7 +45,7 @@ VERSION = 1
 Emit = Callable[..., None]   # emit(stage, step=..., seconds=..., error=...)
 
 
-def _write_durably(path: Path, data: bytes) -> None:
+def _write_durably(path: Path, data: bytes | list) -> None:
     """Appears under its name only once complete (the committer polls for markers); the directory
     is fsynced once after all of a rank's files."""
     durable.write_atomically(path, data, sync_dir=False)
@@ -130,11 +131,18 @@ class ShardWriter:
                 layout.remove_stale_saves(self.root, before_step=step)
             tmp.mkdir(parents=True, exist_ok=True)
             shard = layout.shard_name(self.rank, self.world)
-            blob = safetensors_bytes(tensors, metadata={"step": str(step), "rank": str(self.rank)})
-            _write_durably(tmp / shard, blob)
-            marker = {"file": shard, "sha256": hashlib.sha256(blob).hexdigest(), "size_bytes": len(blob),
-                      "tensors": {n: {"shape": list(a.shape), "dtype": str(a.dtype)} for n, a in tensors.items()}}
-            del blob
+            meta = {"step": str(step), "rank": str(self.rank)}
+            try:
+                parts = safetensors_parts(tensors, metadata=meta)
+            except ValueError:          # a dtype only the library knows how to name
+                parts = [safetensors_numpy.save(tensors, metadata=meta)]
+            _write_durably(tmp / shard, parts)
+            digest = hashlib.sha256()
+            for part in parts:
+                digest.update(part)
+            marker = {"file": shard, "sha256": digest.hexdigest(), "size_bytes": sum(len(p) for p in parts),
+                      "tensors": {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}}
+            del parts
             _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
             durable.fsync_path(tmp)
             self.emit("written", step=step, seconds=time.monotonic() - started)

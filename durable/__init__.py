@@ -29,16 +29,19 @@ def sha256_file(path: Path | str, chunk_bytes: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def write_atomically(path: Path | str, data: str | bytes, *, sync_dir: bool = True) -> None:
+def write_atomically(path: Path | str, data: str | bytes | list, *, sync_dir: bool = True) -> None:
     """Writes `data` to a hidden temporary name beside `path`, fsyncs it and renames it over `path`:
     readers see the old file or the whole new one, never a part (someone polling for `path` never
-    finds it empty). `sync_dir` also fsyncs the directory, making the rename itself durable; a
-    caller that fsyncs the directory after several writes may skip it."""
+    finds it empty). `data`: text, bytes, or a list of buffers written one after another. `sync_dir`
+    also fsyncs the directory, making the rename itself durable; a caller that fsyncs the directory
+    after several writes may skip it."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    parts = data if isinstance(data, list) else [data.encode() if isinstance(data, str) else data]
     try:
         with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
+            for part in parts:
+                f.write(part)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
