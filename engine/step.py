@@ -165,26 +165,26 @@ class TrainStep(StepState):
         kernels all of that but the update is one kernel (fused_cpu.GradClipper), and one rank
         builds no buffer at all."""
         if self.clipper is not None and self.all_reduce is None:
-            return self._apply_clipped(grads, loss, lr, control)        # no buffer to build
+            return self._apply_parts(grads, loss, lr, control)          # no buffer to build
         flat, loss, agreed = self._flatten_and_reduce(grads, loss, control)
-        return self._apply_flat(flat, loss, lr, agreed)
+        return self._apply_parts([flat], loss, lr, agreed)
 
-    def _apply_clipped(self, parts, loss, lr, agreed):
-        """_apply_flat in the fused kernel: parts, the gradients as one flat buffer or one per parameter."""
-        grads, grad_norm = self.clipper(parts, 1.0 / (self.scaler.scale * self.accum_steps * self.dp))
+    def _apply_parts(self, parts, loss, lr, agreed):
+        """parts: every gradient, summed over ranks and micro-batches, still scaled, as one flat buffer
+        (or, with the fused kernels, one tensor a parameter); loss likewise."""
+        inv_scale = 1.0 / (self.scaler.scale * self.accum_steps * self.dp)
+        if self.clipper is not None:
+            grads, grad_norm = self.clipper(parts, inv_scale)
+        else:
+            grads, grad_norm = self._clip_flat(parts[0] * inv_scale)
         finite = ops.isfinite(grad_norm)
         done, scale_used = self._update(grads, finite, lr)
         loss = loss / (self.accum_steps * self.dp)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
 
-    def _apply_flat(self, flat, loss, lr, agreed):
-        """flat: every gradient, summed over ranks and micro-batches, still scaled; loss likewise."""
-        if self.clipper is not None:
-            return self._apply_clipped([flat], loss, lr, agreed)
-        flat = flat * (1.0 / (self.scaler.scale * self.accum_steps * self.dp))
-        loss = loss / (self.accum_steps * self.dp)
+    def _clip_flat(self, flat):
+        """An unscaled flat buffer → (its pieces, clipped, in the parameters' shapes; its norm)."""
         grad_norm = ops.sqrt(ops.reduce_sum(ops.square(flat)))
-        finite = ops.isfinite(grad_norm)
         if self.grad_clip > 0:
             flat = flat * ops.minimum(self.grad_clip / (grad_norm + 1e-6), 1.0)
         out, at = [], 0
@@ -192,8 +192,7 @@ class TrainStep(StepState):
             size = int(np.prod(shape))
             out.append(flat[at:at + size].reshape(shape))
             at += size
-        done, scale_used = self._update(out, finite, lr)
-        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
+        return out, grad_norm
 
     def _local_fused_step(self, tokens, poison, control):
         loss, grads = self._backward(tokens, poison)
@@ -205,7 +204,7 @@ class TrainStep(StepState):
 
     def _apply_summed_step(self, summed, lr):
         flat, loss, agreed = self._split(summed)
-        return self._apply_flat(flat, loss, lr, agreed)
+        return self._apply_parts([flat], loss, lr, agreed)
 
     def _zero_buffers(self):
         done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
