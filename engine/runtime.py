@@ -69,16 +69,22 @@ def core_share(rank: int, world: int, cores) -> list[int] | None:
     return cores[rank * per:(rank + 1) * per] if per >= 1 else None
 
 
-def bind_to_cores(cores: list[int]) -> None:
-    """Every thread of this process, and every thread it starts later, runs on `cores` only.
-    Why (measured, small-20m): MindSpore's runtime runs one rank's independent kernels side by side
-    on its actor threads, so even with train.compute_threads = 1 a rank keeps ~1.8 cores busy; two
-    such ranks on 2 cores trained slower than one (0.90x), bound to a core each 1.11x."""
+def bind_to_cores(cores: list[int]) -> bool:
+    """Every thread of this process, and every thread it starts later, runs on `cores` only; returns
+    whether every thread, read back, does. Why (measured, small-20m): MindSpore's runtime runs one
+    rank's independent kernels side by side on its actor threads, so even with train.compute_threads
+    = 1 a rank keeps ~1.8 cores busy; two such ranks on 2 cores trained slower than one (0.90x),
+    bound to a core each 1.11x."""
+    bound = True
     for tid in os.listdir("/proc/self/task"):
         try:
             os.sched_setaffinity(int(tid), cores)
-        except (ProcessLookupError, PermissionError):     # a thread that just ended
+            bound = bound and os.sched_getaffinity(int(tid)) == set(cores)
+        except ProcessLookupError:                        # a thread that just ended
             pass
+        except PermissionError:                           # one this process may not move
+            bound = False
+    return bound
 
 
 def check_process_count(cfg: Config, env: Mapping[str, str] = os.environ) -> None:
@@ -125,16 +131,9 @@ def _bind(cfg: Config, local_rank: int, local_world: int) -> None:
     cores = core_share(local_rank, local_world, os.sched_getaffinity(0))
     if cores is None:
         return
-    bind_to_cores(cores)
-    bound = set()
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            bound.add(tuple(sorted(os.sched_getaffinity(int(tid)))))
-        except ProcessLookupError:                        # a thread that just ended
-            pass
+    every = bind_to_cores(cores)
     print(f"llm-pretrain: local rank {local_rank} of {local_world} runs on cores "
-          f"{','.join(map(str, cores))} (every thread: {sorted(bound) == [tuple(cores)]})",
-          file=sys.stderr, flush=True)
+          f"{','.join(map(str, cores))} (every thread: {every})", file=sys.stderr, flush=True)
 
 
 def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
