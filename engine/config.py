@@ -199,9 +199,10 @@ class ParallelConfig:
                                    # /dev/shm (engine/local_reduce.py) instead of MindSpore's AllReduce, and
                                    # under the daemon form no MindSpore cluster (daemon/cluster.py); false:
                                    # MindSpore's cluster and AllReduce (no effect on Ascend or across nodes)
-    bind_cores: bool = True        # CPU, several ranks on one machine: each rank's threads bound to its own
-                                   # share of the cores this process may use (engine/runtime.py; as numactl
-                                   # or Intel's multi-instance launcher do); false: the scheduler's choice
+    bind_cores: bool = True        # CPU, several ranks on one machine as a local group (local_reduce): each
+                                   # rank's threads bound to its own share of the cores this process may use
+                                   # (engine/runtime.py; as numactl or Intel's multi-instance launcher do);
+                                   # false: the scheduler's choice. Under msrun: msrun's --bind_core
 
     def __post_init__(self) -> None:
         for key in ("dp", "tp", "pp", "pipeline_microbatches"):

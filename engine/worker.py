@@ -182,6 +182,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
     clock.mark("data")
     stop = StopSignal()
     faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
+    faulthandler.enable(all_threads=True)        # a crash (SIGSEGV, SIGBUS, SIGABRT...) says where, in the log
     sink = EventSink(out, env.get(ENV_EVENT_SOCKET))
     generation = int(env.get(ENV_GENERATION, "0"))
     import mindspore  # noqa: F401  (timed on its own; runtime.setup uses it)

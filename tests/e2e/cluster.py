@@ -84,7 +84,7 @@ class Cluster:
         return events(self.outs[rank].read_text())
 
     def tail(self) -> str:
-        return "\n".join(log.read_text()[-1500:] for log in self.logs)
+        return "\n".join(log.read_text()[-4000:] for log in self.logs)   # a crash's stacks too
 
 
 def run_cluster(cli, env, workdir, args, ranks=2, timeout_s=300) -> list[list[dict]]:

@@ -1,5 +1,4 @@
 """Two real MindSpore ranks over the dynamic cluster (msrun's environment), one compute thread each."""
-import os
 import subprocess
 
 import pytest
@@ -52,8 +51,8 @@ def test_the_shared_memory_sum_trains_exactly_as_mindspores_all_reduce(cli, quie
         assert cluster.wait() == [0, 0], cluster.tail()
         said = [log.read_text() for log in cluster.logs]
         assert all(("through shared memory" in text) == local for text in said), said
-        if len(os.sched_getaffinity(0)) >= 2:   # parallel.bind_cores, under msrun too: a share of the cores each
-            assert all("runs on cores" in text and "(every thread: True)" in text for text in said), said
+        # parallel.bind_cores binds a local group only: under msrun, binding is msrun's (--bind_core)
+        assert not any("runs on cores" in text for text in said), said
         runs[local] = [cluster.events(r) for r in range(2)]
     for rank in range(2):
         shm, ms_ = ([(e["loss"], e["grad_norm"]) for e in runs[k][rank] if e["kind"] == "step"] for k in (True, False))

@@ -77,3 +77,19 @@ def test_msrun_launches_train_as_mindspore_users_do(quiet_env, tmp_path, stdlib_
         losses.append([json.loads(l)["loss"] for l in lines if l.startswith("{") and '"kind": "step"' in l])
     assert len(losses[0]) == 20 and losses[0] == losses[1]
     assert (run / "checkpoints" / "step-00000020" / "manifest.json").exists()
+
+
+def test_a_rank_killed_by_sigsegv_writes_its_python_stack_to_its_log(cli, quiet_env, tmp_path):
+    """A crash in MindSpore's C++ (SIGSEGV, SIGBUS, SIGABRT...) leaves the operator where it was: the
+    Python stack of every thread on stderr (the rank's log under the daemon), then the signal's death."""
+    import signal
+    import time
+
+    proc = subprocess.Popen([*cli, "train", "--set", "train.steps=100000"], cwd=tmp_path, env=quiet_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline()                 # its first event: training has begun
+    time.sleep(1)
+    proc.send_signal(signal.SIGSEGV)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGSEGV, err[-2000:]
+    assert "Fatal Python error: Segmentation fault" in err and "engine/worker.py" in err, err[-2000:]
