@@ -6,9 +6,14 @@
     <root>/step-00001100.corrupt/    failed verification: kept for a person to look at
     <root>/step-00001000.deleting/   retired by retention, being deleted: removed at start
     <root>/LATEST                    a hint ("step-00001200"), written atomically after commit
+    <root>/.spare/shard-…            a retired checkpoint's shards, for the next save to write over
 
 The RAM tier of a run (checkpoint.memory_interval_steps) is a root of the same
-layout on a tmpfs: `memory_root`.
+layout on a tmpfs: `memory_root`. Its writer recycles: a checkpoint it retires
+leaves its shards in `.spare/`, and each rank's next save moves its own shard
+from there into its `.tmp` and writes over it (on a tmpfs a new file's pages
+cost 5x the writing itself). A spare is never part of a checkpoint: it is
+moved out after the retiring rename, and in before the commit's.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from durable import fsync_path
 MANIFEST = "manifest.json"
 LATEST = "LATEST"
 RUN_ID = ".run-id"
+SPARE = ".spare"
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
@@ -88,16 +94,31 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def retire(root: Path, step: int) -> None:
+def retire(root: Path, step: int, *, recycle: bool = False) -> None:
     """Deletes a committed checkpoint so that a crash midway never leaves a partial `step-N/`:
-    it stops being a checkpoint at the rename, before any file goes."""
+    it stops being a checkpoint at the rename, before any file goes. `recycle`: its shards go to
+    `.spare/` (replacing older spares of the same name) for the next save to write over."""
     doomed = root / f"{step_name(step)}.deleting"
     try:
         os.rename(step_dir(root, step), doomed)
     except FileNotFoundError:
         return
     fsync_path(root)
+    if recycle:
+        spare = root / SPARE
+        spare.mkdir(exist_ok=True)
+        for shard in doomed.glob("shard-*.safetensors"):
+            os.rename(shard, spare / shard.name)          # over an older spare of the name
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def take_spare(root: Path, name: str, into: Path) -> bool:
+    """Moves the spare shard `name` (layout.retire's recycle) to `into`; False where there is none."""
+    try:
+        os.rename(root / SPARE / name, into)
+        return True
+    except FileNotFoundError:
+        return False
 
 
 def roll_back(root: Path, target: int) -> list[int]:
@@ -128,6 +149,7 @@ def remove_temporaries(root: Path) -> list[str]:
             removed.append(p.name)
         for p in root.glob(f".{LATEST}.tmp-*"):
             p.unlink(missing_ok=True)
+        shutil.rmtree(root / SPARE, ignore_errors=True)     # memory only (another world's names, too)
     return removed
 
 

@@ -1,8 +1,9 @@
 """Finding, verifying and loading committed checkpoints; quarantining the ones that fail.
 
 A checkpoint is trusted only after verification: the manifest parses, every
-shard exists with the recorded size and sha256, and every tensor the manifest
-names is in its shard with the recorded shape and dtype. One that fails is
+shard exists with the recorded size and checksum (sha256; CRC32C in the RAM
+tier), and every tensor the manifest names is in its shard with the recorded
+shape and dtype. One that fails is
 renamed `step-N.corrupt` (kept for a person to inspect) and the previous one
 is used. `LATEST` is only a hint; the directory scan is the truth.
 """
@@ -18,7 +19,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 
 import durable
-from checkpointing import CheckpointError, layout
+from checkpointing import CheckpointError, checksums, layout
 from checkpointing.writer import FORMAT, VERSION
 
 
@@ -68,8 +69,12 @@ def verify(path: Path) -> list[str]:
         if file.stat().st_size != shard["size_bytes"]:
             problems.append(f"{file.name}: {file.stat().st_size} bytes, manifest says {shard['size_bytes']}")
             continue
-        if durable.sha256_file(file) != shard["sha256"]:
-            problems.append(f"{file.name}: sha256 mismatch (corrupt)")
+        recorded = checksums.recorded(shard)
+        if recorded is None:
+            problems.append(f"{file.name}: the manifest records no checksum ({' or '.join(checksums.ALGORITHMS)})")
+            continue
+        if checksums.file_digest(file, recorded[0]) != recorded[1]:
+            problems.append(f"{file.name}: {recorded[0]} mismatch (corrupt)")
             continue
         with safe_open(file, framework="numpy") as f:
             present = set(f.keys())

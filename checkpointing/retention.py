@@ -27,12 +27,12 @@ def select_for_deletion(steps: Sequence[int], *, keep_last: int, keep_every: int
 
 
 def retire_old(root: str | Path, *, keep_last: int, keep_every: int = 0,
-               protected: Collection[int] = ()) -> list[int]:
-    """Retires (layout.retire) every committed checkpoint under `root` that select_for_deletion picks;
-    returns their steps, ascending."""
+               protected: Collection[int] = (), recycle: bool = False) -> list[int]:
+    """Retires (layout.retire, with `recycle`) every committed checkpoint under `root` that
+    select_for_deletion picks; returns their steps, ascending."""
     root = Path(root)
     doomed = select_for_deletion(layout.committed_steps(root), keep_last=keep_last, keep_every=keep_every,
                                  protected=protected)
     for step in doomed:
-        layout.retire(root, step)
+        layout.retire(root, step, recycle=recycle)
     return doomed

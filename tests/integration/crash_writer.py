@@ -19,8 +19,10 @@ def tensors(step: int, rank: int) -> dict:
     return {n: np.full(s, step, dtype=np.float32) for n, s in SHAPES.items() if PLAN[n] == rank}
 
 
-def main(root: str) -> None:
-    writers = [ShardWriter(Path(root), rank=r, world=2, keep_last=2, low_priority=False) for r in range(2)]
+def main(root: str, tier: str = "disk") -> None:
+    """tier "ram": the RAM tier's writers (CRC32C, each save written over a retired shard)."""
+    ram = dict(checksum="crc32c", recycle=True) if tier == "ram" else {}
+    writers = [ShardWriter(Path(root), rank=r, world=2, keep_last=2, low_priority=False, **ram) for r in range(2)]
     step = 0
     while True:
         step += 1
@@ -32,4 +34,4 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

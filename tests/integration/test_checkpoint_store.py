@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from checkpointing import layout, reader
 from checkpointing.writer import ShardWriter
@@ -18,9 +19,12 @@ from tests.integration.crash_writer import SHAPES
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _save(root, step, world=2, value=None, keep_last=5):
+RAM_TIER = dict(checksum="crc32c", recycle=True)      # the RAM tier's writer (engine/checkpoint.py)
+
+
+def _save(root, step, world=2, value=None, keep_last=5, **writer):
     events = []
-    writers = [ShardWriter(root, rank=r, world=world, keep_last=keep_last,
+    writers = [ShardWriter(root, rank=r, world=world, keep_last=keep_last, **writer,
                            emit=lambda stage, **i: events.append((stage, i.get("step")))) for r in range(world)]
     for r in reversed(range(world)):
         writers[r].save(step, {f"w{r}": np.full((4, 4), step if value is None else value, np.float32)},
@@ -105,14 +109,16 @@ def test_checkpoints_cli(tmp_path, cli, quiet_env):
 TRIALS = int(os.environ.get("CRASH_TRIALS", "30"))
 
 
-def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path):
-    """30 kills at random moments of a writer saving continuously: every later load is one whole step."""
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
+    """30 kills at random moments of a writer saving continuously: every later load is one whole step
+    (the RAM tier's writer too, which writes each save over the shards of a retired one)."""
     rng = random.Random(int(os.environ.get("CRASH_SEED", "1234")))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     outcomes = set()
     for trial in range(TRIALS):
         root = tmp_path / f"t{trial}"
-        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.crash_writer", str(root)],
+        proc = subprocess.Popen([sys.executable, "-m", "tests.integration.crash_writer", str(root), tier],
                                 stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
         proc.stdout.readline()                          # at least one save completed
         time.sleep(rng.uniform(0.0, 0.15))
@@ -200,7 +206,7 @@ def _corrupt(shard: Path) -> None:
 def test_the_ram_tier_is_resumed_from_only_when_newer_than_the_disk_and_whole(tmp_path):
     disk, ram = tmp_path / "disk", tmp_path / "shm" / "run"
     _save(disk, 10)
-    _save(ram, 15)
+    _save(ram, 15, **RAM_TIER)
     newest = lambda **kw: layout.parse_step(reader.find_newest(disk, ram, **kw)[0].name)
     assert reader.find_newest(disk, ram)[0].parent == ram and newest() == 15
     assert newest(accept=lambda manifest: False) == 10          # another config's RAM copy: the disk's
@@ -211,10 +217,11 @@ def test_the_ram_tier_is_resumed_from_only_when_newer_than_the_disk_and_whole(tm
     # corrupt: fails its checksum, is set aside, and the disk's newest stands
     _corrupt(ram / "step-00000015" / "shard-00001-of-00002.safetensors")
     quarantined = []
-    assert newest(on_quarantine=lambda path, problems: quarantined.append(path.name)) == 10
-    assert quarantined == ["step-00000015"] and (ram / "step-00000015.corrupt").is_dir()
+    assert newest(on_quarantine=lambda path, problems: quarantined.append((path.name, problems))) == 10
+    assert quarantined == [("step-00000015", ["shard-00001-of-00002.safetensors: crc32c mismatch (corrupt)"])]
+    assert (ram / "step-00000015.corrupt").is_dir()
     # older than the disk's newest: not used
-    _save(ram, 8)
+    _save(ram, 8, **RAM_TIER)
     assert newest() == 10
     # a reboot wiped the tmpfs
     shutil.rmtree(tmp_path / "shm")
@@ -229,3 +236,46 @@ def test_a_run_directory_made_again_never_finds_the_old_runs_ram_tier(tmp_path):
     shutil.rmtree(run)
     run.mkdir()
     assert layout.memory_root(run, "/dev/shm") != first
+
+
+def test_the_ram_tiers_writer_writes_each_save_over_the_shards_it_retired(tmp_path):
+    """On a tmpfs a new file's pages cost 5x the writing: the RAM tier's writer moves each shard of a
+    checkpoint it retires to .spare/ and the rank's next save writes over it. Every checkpoint is still
+    whole and exactly its own step, recorded with CRC32C."""
+    inodes = {}
+    for step in range(1, 7):
+        _save(tmp_path, step, keep_last=2, **RAM_TIER)
+        shards = sorted((tmp_path / layout.step_name(step)).glob("shard-*"))
+        inodes[step] = [f.stat().st_ino for f in shards]
+        assert layout.committed_steps(tmp_path) == [s for s in (step - 1, step) if s >= 1]
+        for s in layout.committed_steps(tmp_path):
+            path = layout.step_dir(tmp_path, s)
+            assert reader.verify(path) == []
+            assert all(v[0, 0] == s for v in reader.load_tensors(path).values())
+    manifest = reader.read_manifest(tmp_path / layout.step_name(6))
+    assert all(set(shard) == {"file", "crc32c", "size_bytes"} for shard in manifest["shards"])
+    # keeping 2, the third commit retires the first: from the fourth save on, each rank's shard is the
+    # file of the save three before it, written over
+    assert all(inodes[s] == inodes[s - 3] for s in range(4, 7)), inodes
+    assert len({i for s in (1, 2, 3) for i in inodes[s]}) == 6
+    assert sorted(p.name for p in (tmp_path / layout.SPARE).iterdir()) <= ["shard-00000-of-00002.safetensors",
+                                                                          "shard-00001-of-00002.safetensors"]
+    # a disk writer records sha256 and leaves nothing spare
+    _save(tmp_path / "disk", 1, keep_last=1)
+    _save(tmp_path / "disk", 2, keep_last=1)
+    assert "sha256" in reader.read_manifest(tmp_path / "disk" / layout.step_name(2))["shards"][0]
+    assert not (tmp_path / "disk" / layout.SPARE).exists()
+    # spares are memory only: the next start removes them with the other leftovers
+    layout.remove_temporaries(tmp_path)
+    assert not (tmp_path / layout.SPARE).exists() and layout.committed_steps(tmp_path) == [5, 6]
+
+
+def test_a_shard_the_manifest_records_no_checksum_for_is_not_trusted(tmp_path):
+    _save(tmp_path, 3)
+    path = tmp_path / layout.step_name(3)
+    manifest = json.loads((path / "manifest.json").read_text())
+    for shard in manifest["shards"]:
+        del shard["sha256"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    assert reader.verify(path) == [f"shard-0000{r}-of-00002.safetensors: the manifest records no checksum "
+                                   "(sha256 or crc32c)" for r in (0, 1)]

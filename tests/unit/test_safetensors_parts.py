@@ -33,3 +33,26 @@ def test_a_dtype_the_format_has_no_code_for_here_is_a_value_error_naming_it():
         safetensors_parts({"c": np.zeros(2, np.complex64)})
     with pytest.raises(ValueError, match="little-endian"):
         safetensors_parts({"be": np.zeros(2, ">f4")})
+
+
+def test_a_cache_lays_the_same_arrays_out_once_and_writes_what_they_hold_now():
+    """The RAM tier copies into the same staging arrays save after save: the layout is reused, the
+    bytes are always the arrays' current values, and other arrays (or none, or no metadata) lay out anew."""
+    from checkpointing.safetensors_parts import PartsCache
+
+    cache = PartsCache()
+    staging = {"w": np.zeros((2, 3), np.float32), "step": np.array(1, np.int32)}
+    first = safetensors_parts(staging, {"step": "1"}, cache=cache)
+    np.copyto(staging["w"], np.arange(6, dtype=np.float32).reshape(2, 3))
+    second = safetensors_parts(staging, {"step": "12"}, cache=cache)
+    assert all(a is b for a, b in zip(first[1:], second[1:]))            # the buffers: laid out once
+    back = safetensors.numpy.load(b"".join(bytes(p) for p in second))
+    assert back["w"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["step"] == 1
+    assert b"".join(bytes(p) for p in second) == b"".join(bytes(p) for p in safetensors_parts(staging, {"step": "12"}))
+    other = {"w": np.ones((2, 3), np.float32), "step": np.array(1, np.int32)}
+    assert safetensors.numpy.load(b"".join(bytes(p) for p in safetensors_parts(other, cache=cache)))["w"].sum() == 6
+    strided = {"s": np.arange(6, dtype=np.float32)[::2]}
+    safetensors_parts(strided, cache=cache)
+    strided["s"][:] = 9                                    # a strided array is copied each save, never cached
+    assert safetensors.numpy.load(b"".join(bytes(p) for p in safetensors_parts(strided, cache=cache)))["s"].tolist() == [9] * 3
+    assert safetensors.numpy.load(b"".join(bytes(p) for p in safetensors_parts({}, {"step": "1"}))) == {}

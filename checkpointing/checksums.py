@@ -1,0 +1,47 @@
+"""The checksums a shard is recorded with: sha256 on disk, CRC32C in the RAM tier.
+
+Owns: the names (a manifest's shard entry carries exactly one of them as a key), the digest of
+parts as the writer streams them, and of a file as the reader verifies it. Why two: a disk
+checkpoint outlives the run, is copied and exported, and sha256 names its content; a RAM
+checkpoint lives a few intervals on this machine's tmpfs, where the checksum only has to catch a
+torn or damaged copy, and sha256 alone cost more than the 2% of tiny's step the RAM tier may take
+(1.4 ms a save against CRC32C's 0.09 ms on tiny's 1.9 MB, measured; CRC32C in hardware where the
+CPU has it).
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable
+
+import crc32c
+
+SHA256, CRC32C = "sha256", "crc32c"
+ALGORITHMS = (SHA256, CRC32C)
+_CHUNK = 1 << 22
+
+
+def digest(parts: Iterable, algorithm: str) -> str:
+    """The checksum of the parts' bytes one after another, as the manifest records it (hex)."""
+    if algorithm == SHA256:
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(part)
+        return h.hexdigest()
+    if algorithm == CRC32C:
+        value = 0
+        for part in parts:
+            value = crc32c.crc32c(part, value=value)
+        return f"{value:08x}"
+    raise ValueError(f"checksum {algorithm!r}: one of {', '.join(ALGORITHMS)}")
+
+
+def file_digest(path: Path | str, algorithm: str) -> str:
+    """digest() of a file's bytes."""
+    with open(path, "rb") as f:
+        return digest(iter(lambda: f.read(_CHUNK), b""), algorithm)
+
+
+def recorded(entry: dict) -> tuple[str, str] | None:
+    """(algorithm, value) of a manifest's shard entry, or None where it records none."""
+    return next(((a, entry[a]) for a in ALGORITHMS if a in entry), None)
