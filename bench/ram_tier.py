@@ -4,7 +4,9 @@ Side by side in one process, interleaved windows, medians: training throughput
 with a RAM checkpoint (checkpoint.memory_interval_steps) every 10 steps against
 none — target: at most 2% lower — and how long a RAM save blocks the step (the
 host copy; writing to the tmpfs, hashing and the commit run on the writer's
-thread). Prints the ratio and writes bench/results/ram_tier.json.
+thread), and the process's CPU time a step with and without (every thread's: what the saves
+cost in CPU, which other tenants of a shared machine move less than they move throughput).
+Prints the ratio and writes bench/results/ram_tier.json.
 
     python bench/ram_tier.py [--repeats N] [--window-steps N] [--interval-steps N]
 """
@@ -54,8 +56,10 @@ def main() -> None:
             trainer.train_step()
         blocking: list[float] = []
 
+        cpu = {False: [], True: []}      # the process's CPU seconds a step (every thread, the writer's too)
+
         def window(save: bool) -> float:
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             for _ in range(args.window_steps):
                 trainer.train_step()
                 if save and trainer.step % args.interval_steps == 0:
@@ -64,6 +68,7 @@ def main() -> None:
                     blocking.append(time.perf_counter() - s)
             elapsed = time.perf_counter() - t
             ckpt.wait()
+            cpu[save].append((time.process_time() - c) / args.window_steps)
             return args.window_steps / elapsed
 
         plain, saving = [], []
@@ -84,6 +89,10 @@ def main() -> None:
     share = statistics.median(blocking) / (args.interval_steps * step_s)
     print(f"a RAM save blocks the step        {statistics.median(blocking) * 1e3:8.2f} ms (median): "
           f"{share:.1%} of {args.interval_steps} steps, the part of the cost that is not noise")
+    cpu_plain, cpu_saving = statistics.median(cpu[False]), statistics.median(cpu[True])
+    cpu_share = cpu_saving / cpu_plain - 1
+    print(f"CPU a step (all threads)          {cpu_plain * 1e3:8.2f} ms without, {cpu_saving * 1e3:.2f} ms with: "
+          f"{cpu_share:+.1%} (what the saves cost, less moved by other tenants than throughput)")
     print(f"throughput loss                   {loss:8.1%}   (target <= {TARGET_LOSS:.0%}: "
           f"{'met' if loss <= TARGET_LOSS else 'NOT met'})")
     out = ROOT / "bench" / "results"
@@ -92,6 +101,7 @@ def main() -> None:
         "benchmark": "ram_tier", "config": "configs/tiny.toml", "state_bytes": state_bytes,
         "interval_steps": args.interval_steps, "steps_per_s_plain": plain, "steps_per_s_saving": saving,
         "blocking_s": blocking, "blocking_share": share, "throughput_loss": loss, "committed": committed, "failed": failed,
+        "cpu_s_per_step_plain": cpu[False], "cpu_s_per_step_saving": cpu[True], "cpu_share": cpu_share,
         "target_throughput_loss": TARGET_LOSS,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import threading
 import time
@@ -55,12 +56,14 @@ class ShardWriter:
     def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
                  on_commit: Callable[[int], None] | None = None, keep_last: int | None = None,
                  keep_every: int = 0, commit_timeout_s: float = 300.0, low_priority: bool = True,
-                 indent_manifest: bool = True, checksum: str = checksums.SHA256, recycle: bool = False):
+                 indent_manifest: bool = True, checksum: str = checksums.SHA256, recycle: bool = False,
+                 latest_hint: bool = True):
         """`on_commit(step)` runs on rank 0's writer thread right after `step` is committed (an error
         it raises is reported like a failed save). `keep_last`/`keep_every`, for a writer used on
         its own, retire old checkpoints after each commit (retention.retire_old); None: never.
         `checksum`: what each shard is recorded with (checkpointing.checksums). `recycle`: what
-        this writer retires, it writes the next save over (layout: `.spare/`) — the RAM tier's."""
+        this writer retires, it writes the next save over (layout: `.spare/`) — the RAM tier's.
+        `latest_hint`: update `LATEST` after each commit (a hint for people; the RAM tier has none)."""
         self.root = Path(root)
         self.rank, self.world = rank, world
         self.emit = emit or (lambda stage, **info: None)
@@ -71,13 +74,18 @@ class ShardWriter:
         self.indent_manifest = indent_manifest   # False: the C JSON encoder, 3x faster (the RAM tier's saves)
         if checksum not in checksums.ALGORITHMS:
             raise ValueError(f"checksum {checksum!r}: one of {', '.join(checksums.ALGORITHMS)}")
-        self.checksum, self.recycle = checksum, recycle
+        self.checksum, self.recycle, self.latest_hint = checksum, recycle, latest_hint
         self._layouts = PartsCache()                 # the caller's staging buffers come again each save
         self._table_key: tuple | None = None
         self._table_value: dict = {}
         self.last_error: BaseException | None = None   # of the latest save; None while it goes well
         self.last_committed: int | None = None
+        # one thread for all of this writer's saves, started at the first: a thread started per save
+        # cost the caller ~0.4 ms (Thread.start waits for it to run), measured on tiny's RAM saves
         self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
 
     def save(self, step: int, tensors: Mapping[str, np.ndarray], *, run_state: dict[str, Any] | None = None,
              versions: dict[str, str] | None = None) -> None:
@@ -86,24 +94,38 @@ class ShardWriter:
             raise ValueError("rank 0 commits the checkpoint and must pass run_state")
         self.ready(step)
         self.last_error = None       # from here on it describes this save
-        self._thread = threading.Thread(target=self._write, name=f"checkpoint-{step}", daemon=True,
-                                        args=(step, dict(tensors), run_state, versions or {}))
-        self._thread.start()
+        self._idle.clear()
+        self._jobs.put((step, dict(tensors), run_state, versions or {}))
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name=f"checkpoint-writer-{self.root.name}",
+                                            daemon=True)
+            self._thread.start()
 
     def ready(self, step: int) -> None:
         """Waits until this rank's previous save is done (reported as "waited"): after this, buffers the
         previous save was given may be reused."""
-        if self._thread is not None and self._thread.is_alive():
+        if not self._idle.is_set():
             started = time.monotonic()
-            self._thread.join()
+            self._idle.wait()
             self.emit("waited", step=step, seconds=time.monotonic() - started)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Blocks until the save in flight is done; True if none is left running."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            return not self._thread.is_alive()
-        return True
+        return self._idle.wait(timeout_s)
+
+    def _serve(self) -> None:
+        """The writer's thread: one save at a time (save() waits for the previous one first)."""
+        if self.low_priority:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+            except OSError:
+                pass
+        while True:
+            job = self._jobs.get()
+            try:
+                self._write(*job)
+            finally:
+                self._idle.set()
 
     def refuse(self, step: int, reason: str) -> None:
         """This rank does not write its shard of `step` (a save that cannot fit): rank 0 removes what
@@ -136,11 +158,6 @@ class ShardWriter:
         started = time.monotonic()
         tmp = layout.tmp_dir(self.root, step)
         try:
-            if self.low_priority:
-                try:
-                    os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-                except OSError:
-                    pass
             if layout.step_dir(self.root, step).exists():
                 self.emit("exists", step=step, seconds=0.0)
                 return
@@ -216,7 +233,8 @@ class ShardWriter:
         durable.fsync_path(tmp)
         os.rename(tmp, layout.step_dir(self.root, step))
         durable.fsync_path(self.root)
-        durable.write_atomically(self.root / layout.LATEST, layout.step_name(step) + "\n")
+        if self.latest_hint:
+            durable.write_atomically(self.root / layout.LATEST, layout.step_name(step) + "\n")
         self.last_committed = step
         self.emit("committed", step=step, seconds=time.monotonic() - started)
         if self.keep_last is not None:

@@ -83,7 +83,8 @@ class TrainerCheckpoints:
         self._copies: dict[bool, list] = {}            # memory tier or not -> [(parameter, its staging buffer)]
         self.memory_writer = (ShardWriter(self.memory_root, rank=self.rank, world=self.world,
                                           emit=self._emit_memory, keep_last=MEMORY_KEEP, indent_manifest=False,
-                                          checksum=checksums.CRC32C, recycle=True)
+                                          checksum=checksums.CRC32C, recycle=True,
+                                          latest_hint=False)
                               if self.memory_root is not None else None)
         # what every save's run state and manifest say alike, once (config_hash alone cost a RAM save 0.7 ms)
         self._fixed_run_state = {"config_hash": config_hash(cfg), "trajectory": trajectory_dict(cfg),
