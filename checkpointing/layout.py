@@ -88,9 +88,11 @@ def parse_step(name: str) -> int | None:
 
 def committed_steps(root: Path) -> list[int]:
     """Steps with a committed directory, ascending (a directory scan: the truth LATEST only hints at)."""
-    if not root.is_dir():
+    try:
+        with os.scandir(root) as entries:      # the entries' types come with the listing: no stat each
+            steps = [parse_step(e.name) for e in entries if e.is_dir()]
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    steps = [parse_step(p.name) for p in root.iterdir() if p.is_dir()]
     return sorted(s for s in steps if s is not None)
 
 
@@ -107,8 +109,9 @@ def retire(root: Path, step: int, *, recycle: bool = False) -> None:
     if recycle:
         spare = root / SPARE
         spare.mkdir(exist_ok=True)
-        for shard in doomed.glob("shard-*.safetensors"):
-            os.rename(shard, spare / shard.name)          # over an older spare of the name
+        for name in os.listdir(doomed):
+            if name.startswith("shard-") and name.endswith(".safetensors"):
+                os.rename(doomed / name, spare / name)     # over an older spare of the name
     shutil.rmtree(doomed, ignore_errors=True)
 
 

@@ -2,8 +2,9 @@
 
 Protocol, on a filesystem every rank sees (no collective needed):
 1. every rank writes its shard into `step-N.tmp/`, fsyncs it, then writes and
-   fsyncs a small marker (`shard-R-of-W.done.json`: file, checksum, tensors);
-2. rank 0, once all W markers are there, writes `manifest.json` (tensor →
+   fsyncs a small marker (`shard-R-of-W.done.json`: file, checksum, tensors;
+   rank 0 keeps its own in memory);
+2. rank 0, once the other W-1 markers are there, writes `manifest.json` (tensor →
    shard, shapes, dtypes, the checksum of each shard — sha256, or the RAM
    tier's CRC32C: checkpointing.checksums — step, world size, run state),
    fsyncs it, renames `step-N.tmp/` to `step-N/`, fsyncs the parent, then
@@ -38,7 +39,7 @@ import safetensors.numpy as safetensors_numpy
 
 import durable
 from checkpointing import CheckpointError, checksums, layout, retention
-from checkpointing.safetensors_parts import PartsCache, safetensors_parts
+from checkpointing.safetensors_parts import PartsCache, parts_and_table
 
 FORMAT = "llm-pretrain-checkpoint"
 VERSION = 1
@@ -76,8 +77,6 @@ class ShardWriter:
             raise ValueError(f"checksum {checksum!r}: one of {', '.join(checksums.ALGORITHMS)}")
         self.checksum, self.recycle, self.latest_hint = checksum, recycle, latest_hint
         self._layouts = PartsCache()                 # the caller's staging buffers come again each save
-        self._table_key: tuple | None = None
-        self._table_value: dict = {}
         self.last_error: BaseException | None = None   # of the latest save; None while it goes well
         self.last_committed: int | None = None
         # one thread for all of this writer's saves, started at the first: a thread started per save
@@ -123,7 +122,7 @@ class ShardWriter:
         while True:
             job = self._jobs.get()
             try:
-                self._write(*job)
+                self.write_now(*job)
             finally:
                 self._idle.set()
 
@@ -143,18 +142,16 @@ class ShardWriter:
         except OSError:
             pass
 
-    def _table(self, tensors: Mapping[str, np.ndarray]) -> dict:
-        """The marker's tensor table (name -> shape, dtype), made again only when the shapes or dtypes
-        change (numpy's dtype.name alone cost tiny's RAM saves 0.7 ms each, measured)."""
-        key = tuple((n, a.shape, a.dtype.str) for n, a in tensors.items())
-        if key != self._table_key:
-            self._table_value = {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}
-            self._table_key = key
-        return self._table_value
+    def staging(self, like: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Host buffers of `like`'s names, shapes and dtypes for the caller to copy its tensors into
+        and pass to save(), made once and reused (no page faults; ready() says when they are free)."""
+        return {name: np.empty_like(a) for name, a in like.items()}
 
-    # The background thread -------------------------------------------------
-    def _write(self, step: int, tensors: dict[str, np.ndarray], run_state: dict[str, Any] | None,
-               versions: dict[str, str]) -> None:
+    # Writing: on the writer's thread, or in a writer process ---------------
+    def write_now(self, step: int, tensors: Mapping[str, np.ndarray], run_state: dict[str, Any] | None,
+                  versions: dict[str, str]) -> None:
+        """Writes this rank's shard of `step` and, on rank 0, commits it, on the caller's thread (the
+        writer's own, or a writer process's); a failure is reported and kept in last_error."""
         started = time.monotonic()
         tmp = layout.tmp_dir(self.root, step)
         try:
@@ -167,9 +164,10 @@ class ShardWriter:
             shard = layout.shard_name(self.rank, self.world)
             meta = {"step": str(step), "rank": str(self.rank)}
             try:
-                parts = safetensors_parts(tensors, metadata=meta, cache=self._layouts)
+                parts, table = parts_and_table(tensors, metadata=meta, cache=self._layouts)
             except ValueError:          # a dtype only the library knows how to name
-                parts = [safetensors_numpy.save(tensors, metadata=meta)]
+                parts = [safetensors_numpy.save(dict(tensors), metadata=meta)]
+                table = {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}
             if self.recycle:            # a retired shard of ours, written over in place (or a new file)
                 layout.take_spare(self.root, shard, tmp / shard)
                 durable.write_over(tmp / shard, parts)
@@ -177,13 +175,14 @@ class ShardWriter:
                 _write_durably(tmp / shard, parts)
             marker = {"file": shard, self.checksum: checksums.digest(parts, self.checksum),
                       "size_bytes": sum(len(p) for p in parts),
-                      "tensors": self._table(tensors)}
+                      "tensors": table}
             del parts
-            _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
+            if self.rank != 0:          # the committer's own marker stays in its memory
+                _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
             durable.fsync_path(tmp)
             self.emit("written", step=step, seconds=time.monotonic() - started)
             if self.rank == 0:
-                self._commit(step, tmp, run_state or {}, versions, started)
+                self._commit(step, tmp, marker, run_state or {}, versions, started)
         except BaseException as e:   # a thread boundary: report, never kill training
             self.last_error = e
             self.emit("failed", step=step, seconds=time.monotonic() - started, error=f"{type(e).__name__}: {e}")
@@ -203,19 +202,19 @@ class ShardWriter:
                 except OSError:
                     pass
 
-    def _commit(self, step: int, tmp: Path, run_state: dict[str, Any], versions: dict[str, str],
+    def _commit(self, step: int, tmp: Path, own: dict, run_state: dict[str, Any], versions: dict[str, str],
                 started: float) -> None:
-        markers = [tmp / layout.marker_name(r, self.world) for r in range(self.world)]
+        """`own`: rank 0's marker, never written (only the other ranks' travel through files)."""
+        markers = [tmp / layout.marker_name(r, self.world) for r in range(1, self.world)]
         deadline = time.monotonic() + self.commit_timeout_s
         while not all(m.exists() for m in markers):
             if time.monotonic() > deadline:
-                missing = [r for r, m in enumerate(markers) if not m.exists()]
+                missing = [r for r, m in enumerate(markers, 1) if not m.exists()]
                 raise CheckpointError(f"rank(s) {missing} did not finish their shard of step {step} "
                                       f"within {self.commit_timeout_s:.0f} s")
             time.sleep(0.02)
         shards, tensors = [], {}
-        for rank, m in enumerate(markers):
-            info = json.loads(m.read_text())
+        for rank, info in enumerate([own, *(json.loads(m.read_text()) for m in markers)]):
             if "error" in info:
                 raise CheckpointError(f"rank {rank} failed to write its shard of step {step}: {info['error']}")
             shards.append({k: info[k] for k in ("file", *checksums.ALGORITHMS, "size_bytes") if k in info})

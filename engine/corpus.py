@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from durable import fsync_path, sha256_file
+from checkpointing import checksums
+from durable import fsync_path
 from engine.config import CantCreateError, DataError
 from engine.corpus_blocks import DEFAULT_BLOCK_BYTES, BlockVerifier, RunningBlocks, check_block_bytes
 
@@ -186,7 +187,7 @@ class Corpus:
                 raise DataError(f"shard {str(file)!r} is {size} bytes but the manifest says {expected} "
                                 "(truncated or altered); prepare the corpus again")
             blocks = "crc32c" in shard
-            if verify_checksums and not blocks and sha256_file(file) != shard["sha256"]:
+            if verify_checksums and not blocks and checksums.file_digest(file, checksums.SHA256) != shard["sha256"]:
                 raise DataError(f"shard {str(file)!r} fails its sha256 check (altered or corrupt); "
                                 "prepare the corpus again")
             self._maps.append(np.memmap(file, dtype=self.dtype, mode="r", shape=(shard["tokens"],)))
