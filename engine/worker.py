@@ -224,6 +224,7 @@ def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: 
         phase("compile", trainer.step, startup_s=clock.stages)
     while trainer.step < last:
         commands.poll()
+        ckpt.poll()
         control = np.concatenate([[int(stop.requested)], commands.encode(applied)]).astype(np.int32)
         poison, corrupt = drills.before_step(trainer.step + 1)
         try:

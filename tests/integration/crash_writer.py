@@ -1,8 +1,9 @@
 """A numpy-only checkpoint writer for crash tests: saves step 1, 2, 3, … until killed.
 
-Two ranks' writers in one process (threads), so the shard markers and the
-commit are exercised. Step s's tensors are filled with s, so a loader can
-check that what it got is exactly one step's state.
+Two ranks' writers in one process (threads; the RAM tier's: child processes),
+so the shard markers and the commit are exercised. Step s's tensors are filled
+with s, so a loader can check that what it got is exactly one step's state.
+Prints each step once saved, after the first the pids of any writer processes.
 """
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from checkpointing.writer import ShardWriter
+from checkpointing.writer_process import ProcessShardWriter
 
 SHAPES = {"a": (512, 512), "b": (256, 1024), "c": (1000,), "d": (300, 300)}
 PLAN = {"a": 0, "b": 1, "c": 0, "d": 1}
@@ -20,9 +22,11 @@ def tensors(step: int, rank: int) -> dict:
 
 
 def main(root: str, tier: str = "disk") -> None:
-    """tier "ram": the RAM tier's writers (CRC32C, each save written over a retired shard)."""
-    ram = dict(checksum="crc32c", recycle=True) if tier == "ram" else {}
-    writers = [ShardWriter(Path(root), rank=r, world=2, keep_last=2, low_priority=False, **ram) for r in range(2)]
+    """tier "ram": the RAM tier's writers (in processes of their own, CRC32C, each save written over
+    a retired shard)."""
+    kind, ram = ((ProcessShardWriter, dict(checksum="crc32c", recycle=True, latest_hint=False)) if tier == "ram"
+                 else (ShardWriter, {}))
+    writers = [kind(Path(root), rank=r, world=2, keep_last=2, low_priority=False, **ram) for r in range(2)]
     step = 0
     while True:
         step += 1
@@ -30,7 +34,8 @@ def main(root: str, tier: str = "disk") -> None:
         writers[0].save(step, tensors(step, 0), run_state={"step": step})
         for w in writers:
             w.wait()
-        print(step, flush=True)
+        pids = [w.pid for w in writers if getattr(w, "pid", None)] if step == 1 else []
+        print(step, *pids, flush=True)
 
 
 if __name__ == "__main__":

@@ -14,23 +14,26 @@ import pytest
 
 from checkpointing import layout, reader
 from checkpointing.writer import ShardWriter
+from checkpointing.writer_process import ProcessShardWriter
 from tests.integration.crash_writer import SHAPES
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-RAM_TIER = dict(checksum="crc32c", recycle=True, latest_hint=False)      # the RAM tier's writer (engine/checkpoint.py)
+# the RAM tier's writer (engine/checkpoint.py): in a process of its own, CRC32C, saves written over retired shards
+RAM_TIER = dict(kind=ProcessShardWriter, checksum="crc32c", recycle=True, latest_hint=False)
 
 
-def _save(root, step, world=2, value=None, keep_last=5, **writer):
+def _save(root, step, world=2, value=None, keep_last=5, kind=ShardWriter, **writer):
     events = []
-    writers = [ShardWriter(root, rank=r, world=world, keep_last=keep_last, **writer,
-                           emit=lambda stage, **i: events.append((stage, i.get("step")))) for r in range(world)]
+    writers = [kind(root, rank=r, world=world, keep_last=keep_last, **writer,
+                    emit=lambda stage, **i: events.append((stage, i.get("step")))) for r in range(world)]
     for r in reversed(range(world)):
         writers[r].save(step, {f"w{r}": np.full((4, 4), step if value is None else value, np.float32)},
                        run_state={"step": step} if r == 0 else None)
     for w in writers:
         w.wait()
+        getattr(w, "close", lambda: None)()
     return events
 
 
@@ -120,10 +123,12 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
         root = tmp_path / f"t{trial}"
         proc = subprocess.Popen([sys.executable, "-m", "tests.integration.crash_writer", str(root), tier],
                                 stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        proc.stdout.readline()                          # at least one save completed
+        writers = [int(pid) for pid in proc.stdout.readline().split()[1:]]    # at least one save completed
         time.sleep(rng.uniform(0.0, 0.15))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        # the RAM tier's writer processes die with it (nothing writes on after the rank's crash)
+        assert _wait_until(lambda: all(_gone(pid) for pid in writers), timeout_s=5), (trial, writers)
         committed = layout.committed_steps(root)
         for step in committed:                          # everything visible is whole ...
             assert reader.verify(layout.step_dir(root, step)) == [], (trial, step)
@@ -137,6 +142,23 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
         assert [p.name for p in root.glob("step-*") if layout.parse_step(p.name) is None] == []
     print(f"{TRIALS} kills: outcomes {sorted(outcomes)}")
     assert "leftovers" in outcomes       # some kills did land mid-save
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie no one reaps counts: it runs nothing)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_a_slowly_written_marker_is_never_read_half_done(tmp_path, monkeypatch):
@@ -295,3 +317,60 @@ def test_a_writer_saves_one_after_another_on_one_thread_of_its_own(tmp_path):
     assert events.count("committed") == 5 and layout.committed_steps(tmp_path) == [4, 5]
     assert [t.name for t in threading.enumerate()].count(f"checkpoint-writer-{tmp_path.name}") == 1
     assert reader.load_tensors(tmp_path / layout.step_name(5))["w"][0, 0] == 5
+
+
+def test_the_ram_tiers_writer_process_writes_what_is_in_its_shared_staging_and_tells_every_event(tmp_path):
+    """The caller copies into the staging buffers the writer shares with its process and saves them: no
+    copy of its own; arrays that are not its buffers are copied in first. The child's events reach the
+    caller's emit in order, and its commits are as a thread's."""
+    events = []
+    w = ProcessShardWriter(tmp_path, rank=0, world=1, keep_last=2, checksum="crc32c", recycle=True,
+                           emit=lambda stage, **i: events.append((stage, i["step"])))
+    staging = w.staging({"w": np.zeros((64, 64), np.float32), "b": np.zeros(3, np.int64)})
+    assert w.staging({"w": np.ones((64, 64), np.float32), "b": np.ones(3, np.int64)}) is staging   # made once
+    for step in (1, 2, 3):
+        w.ready(step)                       # the previous save is done with the buffers
+        staging["w"][...], staging["b"][...] = step, -step
+        w.save(step, staging, run_state={"step": step})
+    w.save(4, {"w": np.full((64, 64), 4, np.float32), "b": np.full(3, -4)}, run_state={"step": 4})
+    assert w.wait(timeout_s=60) and w.last_error is None and w.last_committed == 4
+    pid = w.pid
+    w.close()
+    assert _wait_until(lambda: _gone(pid), timeout_s=5)
+    assert [e for e in events if e[0] in ("written", "committed")] == [(s, n) for n in (1, 2, 3, 4)
+                                                                       for s in ("written", "committed")]
+    assert ("retired", 3) in events and layout.committed_steps(tmp_path) == [3, 4]
+    for step in (3, 4):
+        tensors = reader.load_tensors(layout.step_dir(tmp_path, step))
+        assert np.all(tensors["w"] == step) and tensors["b"].tolist() == [-step] * 3
+        assert "crc32c" in reader.read_manifest(layout.step_dir(tmp_path, step))["shards"][0]
+
+
+def test_a_writer_process_that_dies_fails_its_save_and_the_next_save_starts_another(tmp_path):
+    """Killed with a save in flight (stopped first, so the save is surely pending): that save is reported
+    failed, naming the exit, and leaves no checkpoint; the next save starts a new process and commits."""
+    events = []
+    w = ProcessShardWriter(tmp_path, rank=0, world=1, keep_last=2,
+                           emit=lambda stage, **i: events.append((stage, i["step"], i.get("error", ""))))
+    w.save(1, {"w": np.full(8, 1.0)}, run_state={"step": 1})
+    assert w.wait(timeout_s=60) and w.last_error is None
+    first = w.pid
+    os.kill(first, signal.SIGSTOP)
+    w.save(2, {"w": np.full(8, 2.0)}, run_state={"step": 2})
+    assert not w.wait(timeout_s=0.3)         # stopped: the save is in flight
+    os.kill(first, signal.SIGKILL)
+    assert w.wait(timeout_s=10)
+    assert "exited (code -9) while writing step 2" in str(w.last_error)
+    assert [e[:2] for e in events if e[0] == "failed"] == [("failed", 2)]
+    assert layout.committed_steps(tmp_path) == [1]
+    w.save(3, {"w": np.full(8, 3.0)}, run_state={"step": 3})
+    assert w.wait(timeout_s=60) and w.last_error is None and w.pid not in (None, first)
+    assert layout.committed_steps(tmp_path) == [1, 3]
+    assert reader.load_tensors(layout.step_dir(tmp_path, 3))["w"].tolist() == [3.0] * 8
+    # killed between saves: the next save finds it gone and starts another, without failing
+    second = w.pid
+    os.kill(second, signal.SIGKILL)
+    assert _wait_until(lambda: _gone(second), timeout_s=5)
+    w.save(4, {"w": np.full(8, 4.0)}, run_state={"step": 4})
+    assert w.wait(timeout_s=60) and w.last_error is None and layout.committed_steps(tmp_path) == [3, 4]
+    w.close()

@@ -1,0 +1,279 @@
+"""A shard writer whose writing runs in a child process: the RAM tier's, off the trainer's GIL.
+
+Owns: the child (`python -m checkpointing.writer_process`, started at the first save and again
+after it dies), the shared memory the caller's host copies go into (one memfd both processes
+map, laid out once), and the JSON lines between them: the layout, then one line per save going
+down; the writer's events and one "done" per save coming back.
+
+Why a process: a ShardWriter's thread holds the GIL for its Python (the marker, the manifest,
+the commit's file calls) and, at nice 19 on cores the step keeps busy, is descheduled while
+holding it, so the training thread waited for it: the step after each RAM save on tiny ran
+~2.7 ms slower, most of the RAM tier's cost (measured; copying the tensors, or pausing as long,
+cost the next step nothing). A child under SCHED_IDLE takes only cycles no other task wants and
+can never hold the trainer's lock.
+
+The files, their protocol and the events are ShardWriter's exactly (the child runs one). Its
+events reach the caller's `emit` when the caller next saves, waits or calls `poll()`: the
+supervisor only notes the RAM tier's commits, it does not act on them. The child dies with
+its parent (parent-death signal); a save in flight then is lost like any crash's, and the
+`.tmp` it left is removed at the next start. A child that dies on its own fails its save
+("failed", `last_error`) and is started again at the next.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import numpy as np
+
+from checkpointing import CheckpointError, checksums
+from checkpointing.writer import ShardWriter
+
+Emit = Callable[..., None]
+_ALIGN = 64                 # each tensor's offset in the shared memory (a cache line)
+_PR_SET_PDEATHSIG = 1
+
+
+class ProcessShardWriter:
+    def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
+                 keep_last: int | None = None, keep_every: int = 0, commit_timeout_s: float = 300.0,
+                 low_priority: bool = True, indent_manifest: bool = True, checksum: str = checksums.SHA256,
+                 recycle: bool = False, latest_hint: bool = True):
+        """The arguments are ShardWriter's (its `on_commit` hook cannot cross into the child)."""
+        if checksum not in checksums.ALGORITHMS:
+            raise ValueError(f"checksum {checksum!r}: one of {', '.join(checksums.ALGORITHMS)}")
+        self.root = Path(root)
+        self.rank, self.world = rank, world
+        self.emit = emit or (lambda stage, **info: None)
+        self._options = dict(rank=rank, world=world, keep_last=keep_last, keep_every=keep_every,
+                             commit_timeout_s=commit_timeout_s, indent_manifest=indent_manifest,
+                             checksum=checksum, recycle=recycle, latest_hint=latest_hint)
+        self.low_priority = low_priority
+        self.last_error: BaseException | None = None     # of the latest save; None while it goes well
+        self.last_committed: int | None = None
+        self._memory: tuple[int, mmap.mmap] | None = None    # (memfd, its mapping)
+        self._layout: list = []                              # [[name, dtype str, shape, offset]]
+        self._views: dict[str, np.ndarray] = {}
+        self._child: subprocess.Popen | None = None
+        self._replies = b""
+        self._pending: int | None = None                     # the step the child is writing
+
+    @property
+    def pid(self) -> int | None:
+        """The writer process's, while it runs."""
+        return self._child.pid if self._child is not None else None
+
+    # The caller's side -----------------------------------------------------
+    def staging(self, like: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Buffers of `like`'s names, shapes and dtypes in memory the writer process shares: the
+        caller copies its tensors into them and passes them to save(), which then copies nothing.
+        Made once; asking again for another layout makes new ones (and a new child)."""
+        layout, at = [], 0
+        for name, a in like.items():
+            layout.append([name, np.dtype(a.dtype).str, list(a.shape), at])
+            at += -(-int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize // _ALIGN) * _ALIGN
+        if layout == self._layout and self._memory is not None:
+            return self._views
+        self.close()
+        fd = os.memfd_create("llm-pretrain-checkpoint-staging", os.MFD_CLOEXEC)
+        size = max(at, 1)                                    # mmap refuses a length of 0
+        os.ftruncate(fd, size)
+        self._memory = (fd, mmap.mmap(fd, size))
+        self._layout = layout
+        self._views = {name: np.ndarray(shape, dtype, buffer=self._memory[1], offset=offset)
+                       for name, dtype, shape, offset in layout}
+        return self._views
+
+    def save(self, step: int, tensors: Mapping[str, np.ndarray], *, run_state: dict[str, Any] | None = None,
+             versions: dict[str, str] | None = None) -> None:
+        """Has the child write this rank's `tensors` for `step`; returns at once. Tensors that are not
+        this writer's staging buffers are copied into them first."""
+        if self.rank == 0 and run_state is None:
+            raise ValueError("rank 0 commits the checkpoint and must pass run_state")
+        self.ready(step)
+        if tensors is not self._views and (len(tensors) != len(self._views)
+                                           or any(self._views.get(name) is not a for name, a in tensors.items())):
+            views = self.staging(tensors)
+            for name, a in tensors.items():
+                np.copyto(views[name], a)
+        self.last_error = None       # from here on it describes this save
+        line = json.dumps({"step": step, "run_state": run_state, "versions": versions or {}}).encode() + b"\n"
+        for attempt in (1, 2):       # a child found dead is started again once
+            self._start_child()
+            try:
+                os.write(self._child.stdin.fileno(), line)
+                break
+            except BrokenPipeError:
+                self._reap()
+                if attempt == 2:
+                    raise CheckpointError("the checkpoint writer process could not be started again") from None
+        self._pending = step
+
+    def ready(self, step: int) -> None:
+        """Waits until this rank's previous save is done (reported as "waited"): after this, the
+        staging buffers may be written again."""
+        self.poll()
+        if self._pending is not None:
+            started = time.monotonic()
+            self._drain(None)
+            self.emit("waited", step=step, seconds=time.monotonic() - started)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Blocks until the save in flight is done and its events are passed on; True if none is left."""
+        self._drain(timeout_s)
+        return self._pending is None
+
+    def poll(self) -> None:
+        """Passes on the events the child has sent so far, without waiting."""
+        self._drain(0.0)
+
+    def close(self) -> None:
+        """Ends the child (after the save in flight) and frees the shared memory."""
+        if self._child is not None:
+            self._drain(None)
+            self._child.stdin.close()
+            try:
+                self._child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                self._child.wait()
+            self._child = None
+        if self._memory is not None:
+            self._views = {}
+            self._memory[1].close()
+            os.close(self._memory[0])
+            self._memory, self._layout = None, []
+
+    # The child, seen from here ---------------------------------------------
+    def _start_child(self) -> None:
+        if self._child is not None:
+            return
+        fd = self._memory[0]
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        self._child = subprocess.Popen(
+            [sys.executable, "-m", "checkpointing.writer_process", str(fd), str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), env=env)
+        os.set_blocking(self._child.stdout.fileno(), False)
+        self._replies = b""
+        first = {"root": str(self.root), "options": self._options, "low_priority": self.low_priority,
+                 "size": len(self._memory[1]), "tensors": self._layout}
+        try:
+            os.write(self._child.stdin.fileno(), json.dumps(first).encode() + b"\n")
+        except BrokenPipeError:
+            pass                     # the caller's write fails too, and starts it again
+
+    def _drain(self, timeout_s: float | None) -> None:
+        """Reads the child's lines until its pending save is done (timeout_s None: however long that
+        takes; 0: only what is there)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._child is not None:
+            fd = self._child.stdout.fileno()
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                chunk = None
+            if chunk == b"":
+                self._reap()
+                return
+            if chunk:
+                self._replies += chunk
+                *lines, self._replies = self._replies.split(b"\n")
+                for line in lines:
+                    self._handle(json.loads(line))
+                continue
+            if self._pending is None:
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            select.select([fd], [], [], left)
+
+    def _handle(self, message: dict) -> None:
+        if "emit" in message:
+            stage = message.pop("emit")
+            self.emit(stage, **message)
+        elif "done" in message:
+            if message["error"]:
+                self.last_error = CheckpointError(message["error"])
+            if message["committed"] is not None:
+                self.last_committed = message["committed"]
+            self._pending = None
+
+    def _reap(self) -> None:
+        """The child's output ended: it exited. A save it was writing failed."""
+        child, self._child = self._child, None
+        child.stdin.close()
+        try:
+            code = child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            code = child.wait()
+        child.stdout.close()
+        if self._pending is not None:
+            step, self._pending = self._pending, None
+            self.last_error = CheckpointError(f"the checkpoint writer process exited (code {code}) while writing "
+                                              f"step {step}; it is started again at the next save")
+            self.emit("failed", step=step, seconds=0.0, error=str(self.last_error))
+
+
+# The child ----------------------------------------------------------------------
+def _die_with(parent: int) -> None:
+    """SIGKILL when the parent dies (a crash of the rank ends its writer too)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:          # it died before the signal was asked for
+        os._exit(0)
+
+
+def _lowest_priority() -> None:
+    """SCHED_IDLE: it runs only where no other task of the machine wants the core (nice 19 still took
+    a share from the step: tiny's step after a RAM save ran ~1 ms slower, measured); where that is
+    refused, nice 19. While the trainer waits for it (ready), the trainer's core is idle, so it runs."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, 19)
+        except OSError:
+            pass
+
+
+def main(argv: list[str]) -> None:
+    fd, parent = int(argv[0]), int(argv[1])
+    _die_with(parent)
+    out = sys.stdout.buffer
+
+    def reply(message: dict) -> None:
+        out.write(json.dumps(message).encode() + b"\n")
+        out.flush()
+
+    first = json.loads(sys.stdin.buffer.readline())
+    if first.get("low_priority"):
+        _lowest_priority()
+    memory = mmap.mmap(fd, first["size"])
+    tensors = {name: np.ndarray(shape, dtype, buffer=memory, offset=offset)
+               for name, dtype, shape, offset in first["tensors"]}
+    writer = ShardWriter(first["root"], emit=lambda stage, **info: reply({"emit": stage, **info}),
+                         low_priority=False, **first["options"])
+    for line in sys.stdin.buffer:
+        job = json.loads(line)
+        writer.last_error = None
+        writer.write_now(job["step"], tensors, job["run_state"], job["versions"])
+        error = writer.last_error
+        reply({"done": job["step"], "error": f"{type(error).__name__}: {error}" if error else None,
+               "committed": writer.last_committed})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
