@@ -99,8 +99,8 @@ class ProcessShardWriter:
         if self.rank == 0 and run_state is None:
             raise ValueError("rank 0 commits the checkpoint and must pass run_state")
         self.ready(step)
-        if tensors is not self._views and (len(tensors) != len(self._views)
-                                           or any(self._views.get(name) is not a for name, a in tensors.items())):
+        if self._memory is None or tensors is not self._views and (
+                len(tensors) != len(self._views) or any(self._views.get(name) is not a for name, a in tensors.items())):
             views = self.staging(tensors)
             for name, a in tensors.items():
                 np.copyto(views[name], a)
@@ -252,11 +252,13 @@ def _lowest_priority() -> None:
 def main(argv: list[str]) -> None:
     fd, parent = int(argv[0]), int(argv[1])
     _die_with(parent)
-    out = sys.stdout.buffer
+    replies = os.dup(1)
+    os.dup2(2, 1)               # whatever else prints goes to the rank's log, never into the replies
 
     def reply(message: dict) -> None:
-        out.write(json.dumps(message).encode() + b"\n")
-        out.flush()
+        data = memoryview(json.dumps(message).encode() + b"\n")
+        while data:
+            data = data[os.write(replies, data):]
 
     first = json.loads(sys.stdin.buffer.readline())
     if first.get("low_priority"):

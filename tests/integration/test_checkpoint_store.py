@@ -374,3 +374,15 @@ def test_a_writer_process_that_dies_fails_its_save_and_the_next_save_starts_anot
     w.save(4, {"w": np.full(8, 4.0)}, run_state={"step": 4})
     assert w.wait(timeout_s=60) and w.last_error is None and layout.committed_steps(tmp_path) == [3, 4]
     w.close()
+
+
+def test_a_rank_with_no_tensors_of_its_own_still_writes_its_empty_shard_through_a_writer_process(tmp_path):
+    """More ranks than tensors: a rank owns none, yet its (empty) shard is part of the commit."""
+    writers = [ProcessShardWriter(tmp_path, rank=r, world=2, keep_last=2) for r in range(2)]
+    writers[1].save(1, {})
+    writers[0].save(1, {"w": np.full(4, 7.0)}, run_state={"step": 1})
+    for w in writers:
+        assert w.wait(timeout_s=60) and w.last_error is None
+        w.close()
+    assert layout.committed_steps(tmp_path) == [1]
+    assert reader.load_tensors(layout.step_dir(tmp_path, 1))["w"].tolist() == [7.0] * 4
