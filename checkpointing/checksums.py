@@ -21,19 +21,24 @@ ALGORITHMS = (SHA256, CRC32C)
 _CHUNK = 1 << 22
 
 
+def require(algorithm: str) -> str:
+    """`algorithm` if it is one of ALGORITHMS, else a ValueError naming them."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"checksum {algorithm!r}: one of {', '.join(ALGORITHMS)}")
+    return algorithm
+
+
 def digest(parts: Iterable, algorithm: str) -> str:
     """The checksum of the parts' bytes one after another, as the manifest records it (hex)."""
-    if algorithm == SHA256:
+    if require(algorithm) == SHA256:
         h = hashlib.sha256()
         for part in parts:
             h.update(part)
         return h.hexdigest()
-    if algorithm == CRC32C:
-        value = 0
-        for part in parts:
-            value = crc32c.crc32c(part, value=value)
-        return f"{value:08x}"
-    raise ValueError(f"checksum {algorithm!r}: one of {', '.join(ALGORITHMS)}")
+    value = 0                                   # CRC32C
+    for part in parts:
+        value = crc32c.crc32c(part, value=value)
+    return f"{value:08x}"
 
 
 def file_digest(path: Path | str, algorithm: str) -> str:

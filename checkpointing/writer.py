@@ -73,9 +73,7 @@ class ShardWriter:
         self.commit_timeout_s = commit_timeout_s
         self.low_priority = low_priority
         self.indent_manifest = indent_manifest   # False: the C JSON encoder, 3x faster (the RAM tier's saves)
-        if checksum not in checksums.ALGORITHMS:
-            raise ValueError(f"checksum {checksum!r}: one of {', '.join(checksums.ALGORITHMS)}")
-        self.checksum, self.recycle, self.latest_hint = checksum, recycle, latest_hint
+        self.checksum, self.recycle, self.latest_hint = checksums.require(checksum), recycle, latest_hint
         self._layouts = PartsCache()                 # the caller's staging buffers come again each save
         self.last_error: BaseException | None = None   # of the latest save; None while it goes well
         self.last_committed: int | None = None

@@ -48,8 +48,7 @@ class ProcessShardWriter:
                  low_priority: bool = True, indent_manifest: bool = True, checksum: str = checksums.SHA256,
                  recycle: bool = False, latest_hint: bool = True):
         """The arguments are ShardWriter's (its `on_commit` hook cannot cross into the child)."""
-        if checksum not in checksums.ALGORITHMS:
-            raise ValueError(f"checksum {checksum!r}: one of {', '.join(checksums.ALGORITHMS)}")
+        checksums.require(checksum)                      # said here, not by the child
         self.root = Path(root)
         self.rank, self.world = rank, world
         self.emit = emit or (lambda stage, **info: None)
@@ -99,11 +98,11 @@ class ProcessShardWriter:
         if self.rank == 0 and run_state is None:
             raise ValueError("rank 0 commits the checkpoint and must pass run_state")
         self.ready(step)
-        if self._memory is None or tensors is not self._views and (
-                len(tensors) != len(self._views) or any(self._views.get(name) is not a for name, a in tensors.items())):
+        if tensors is not self._views:
             views = self.staging(tensors)
             for name, a in tensors.items():
-                np.copyto(views[name], a)
+                if views[name] is not a:
+                    np.copyto(views[name], a)
         self.last_error = None       # from here on it describes this save
         line = json.dumps({"step": step, "run_state": run_state, "versions": versions or {}}).encode() + b"\n"
         for attempt in (1, 2):       # a child found dead is started again once
@@ -139,12 +138,7 @@ class ProcessShardWriter:
         """Ends the child (after the save in flight) and frees the shared memory."""
         if self._child is not None:
             self._drain(None)
-            self._child.stdin.close()
-            try:
-                self._child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._child.kill()
-                self._child.wait()
+            _end(self._child)
             self._child = None
         if self._memory is not None:
             self._views = {}
@@ -212,18 +206,25 @@ class ProcessShardWriter:
     def _reap(self) -> None:
         """The child's output ended: it exited. A save it was writing failed."""
         child, self._child = self._child, None
-        child.stdin.close()
-        try:
-            code = child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            child.kill()
-            code = child.wait()
-        child.stdout.close()
+        code = _end(child)
         if self._pending is not None:
             step, self._pending = self._pending, None
             self.last_error = CheckpointError(f"the checkpoint writer process exited (code {code}) while writing "
                                               f"step {step}; it is started again at the next save")
             self.emit("failed", step=step, seconds=0.0, error=str(self.last_error))
+
+
+def _end(child: subprocess.Popen) -> int:
+    """Closes the child's input (it exits after the save in flight), waits for it (killed after 10 s)
+    and closes its output; returns its exit code."""
+    child.stdin.close()
+    try:
+        code = child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        code = child.wait()
+    child.stdout.close()
+    return code
 
 
 # The child ----------------------------------------------------------------------
