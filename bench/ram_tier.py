@@ -90,6 +90,7 @@ def main() -> None:
         # any save), so a drift in the machine's speed moves both alike
         save()                                          # the writer (process) started before timing
         ckpt.wait()
+        blocking.clear()                                # ... and its start not counted as a save's blocking
         writer_cpu_before = _cpu_s(getattr(ckpt.memory_writer, "pid", None))
         by_position: list[list[float]] = [[] for _ in range(2 * interval)]
         for _ in range(args.cycles):
