@@ -38,12 +38,12 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("GLOG_v", "3")
 
-    from engine import runtime
-    from engine.checkpoint import TrainerCheckpoints
-    from engine.config import load_config
-    from engine.model import parameter_count
-    from engine.prepare import STDLIB, prepare
-    from engine.worker import Trainer
+    from contracts.config import load_config
+    from engine.data.prepare import STDLIB, prepare
+    from engine.model.causal_lm import parameter_count
+    from engine.rank import runtime
+    from engine.rank.checkpoint import TrainerCheckpoints
+    from engine.rank.trainer import Trainer
 
     with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
         corpus = Path(tmp) / "stdlib"
@@ -54,7 +54,8 @@ def main() -> None:
         events = []
         ckpt = TrainerCheckpoints(Path(tmp) / "checkpoints", cfg, params=trainer.state_params(),
                                   run_state=trainer.run_state, load_run_state=trainer.load_run_state, rank=0,
-                                  world=1, generation=0, emit=events.append, retain=True)
+                                  world=1, generation=0, emit=events.append, parallelism=trainer.parallelism,
+                                  retain=True)
         state_bytes = sum(p.asnumpy().nbytes for p in ckpt.params)
         for _ in range(3):
             trainer.train_step()

@@ -1,6 +1,6 @@
 """Input pipeline throughput against what training consumes, on the tiny config and the stdlib corpus.
 
-Measured side by side in one run: tokens/s the pipeline (engine.feed, through
+Measured side by side in one run: tokens/s the pipeline (engine.data.feed, through
 mindspore.dataset) delivers on its own, and tokens/s the tiny config's
 training consumes (data included). Target: the pipeline delivers at least 20×
 what training consumes, so the step never waits for data. Prints the ratio,
@@ -31,11 +31,11 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("GLOG_v", "3")
 
-    from engine import runtime
-    from engine.config import load_config
-    from engine.feed import feed
-    from engine.prepare import STDLIB, prepare
-    from engine.worker import Trainer
+    from contracts.config import load_config
+    from engine.data.feed import feed
+    from engine.data.prepare import STDLIB, prepare
+    from engine.rank import runtime
+    from engine.rank.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "stdlib"

@@ -49,13 +49,13 @@ SIDES = {  # name: (dp, compute_threads, the daemon bound to one core)
 def one_run(config: str, steps: int, skip: int, dp: int, threads: int = 1, one_core: bool = False) -> dict:
     with tempfile.TemporaryDirectory(prefix="llm-pretrain-dp-") as tmp:
         cfg_args = ["--config", str(ROOT / config)]
-        from engine.config import load_config
+        from contracts.config import load_config
 
         global_batch = load_config(ROOT / config, []).train.global_batch
         sets = [f"parallel.dp={dp}", f"train.micro_batch={global_batch // dp}", "train.grad_accum_steps=1",
                 f"train.compute_threads={threads}", f"train.steps={steps}", 'data.source="synthetic"',
                 "checkpoint.interval_steps=0", f"run.dir='{tmp}'", "parallel.local_reduce=true"]
-        argv = [sys.executable, "-m", "daemon.cli", "run", "--log-format", "json", *cfg_args]
+        argv = [sys.executable, "-m", "cli", "run", "--log-format", "json", *cfg_args]
         for s in sets:
             argv += ["--set", s]
         first = min(os.sched_getaffinity(0))

@@ -25,10 +25,10 @@ CONFIGS = {"tiny": "configs/tiny.toml", "small-20m": "configs/small-20m.toml"}
 def measure(config: str, steps: int, warmup: int) -> dict:
     """Runs in a child process: returns per-step times after warm-up."""
     sys.path.insert(0, str(ROOT))
-    from engine import runtime
-    from engine.config import load_config
-    from engine.model import parameter_count
-    from engine.worker import Trainer
+    from contracts.config import load_config
+    from engine.model.causal_lm import parameter_count
+    from engine.rank import runtime
+    from engine.rank.trainer import Trainer
 
     cfg = load_config(ROOT / config, [f"train.steps={steps + warmup}"])
     trainer = Trainer(cfg, runtime.setup(cfg))

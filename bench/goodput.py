@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from recovery import _at, _daemon, _events, _stop  # noqa: E402
+
 from daemon.state import RunState  # noqa: E402
 
 TARGETS = {60: 0.90, 300: 0.97}
@@ -91,7 +92,7 @@ def main() -> None:
     parser.add_argument("--faults", type=int, default=5, help="soak length in mean intervals")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    from engine.prepare import STDLIB, prepare
+    from engine.data.prepare import STDLIB, prepare
 
     rng, results = random.Random(args.seed), []
     with tempfile.TemporaryDirectory() as tmp:

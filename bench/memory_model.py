@@ -40,11 +40,11 @@ def _overrides(batch: int, precision: str, recompute: bool) -> list[str]:
 def measure(config: str, overrides: list[str]) -> dict:
     """In a child process: two steps, then this process's peak RSS."""
     sys.path.insert(0, str(ROOT))
-    from engine import runtime
-    from engine.config import load_config
-    from engine.worker import Trainer
-
     import mindspore as ms
+
+    from contracts.config import load_config
+    from engine.rank import runtime
+    from engine.rank.trainer import Trainer
 
     cfg = load_config(ROOT / config, overrides)
     rank = runtime.setup(cfg)
@@ -65,8 +65,8 @@ def main() -> None:
         print(json.dumps(measure(args.config, args.child)))
         return
     sys.path.insert(0, str(ROOT))
-    from engine import memory_model as mm
-    from engine.config import load_config
+    from contracts.config import load_config
+    from engine.layout import memory_model as mm
 
     env = dict(os.environ, GLOG_v="1")
     planned = re.compile(r"Reused Size\(Allocate Size\):\s*(\d+)")

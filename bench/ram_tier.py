@@ -58,11 +58,11 @@ def main() -> None:
         parser.error("--triples must be >= 2 (a standard error needs two), --cycles and --interval-steps >= 1")
     os.environ.setdefault("GLOG_v", "3")
 
-    from engine import runtime
-    from engine.checkpoint import TrainerCheckpoints
-    from engine.config import load_config
-    from engine.prepare import STDLIB, prepare
-    from engine.worker import Trainer
+    from contracts.config import load_config
+    from engine.data.prepare import STDLIB, prepare
+    from engine.rank import runtime
+    from engine.rank.checkpoint import TrainerCheckpoints
+    from engine.rank.trainer import Trainer
 
     interval = args.interval_steps
     with tempfile.TemporaryDirectory(dir=ROOT / "bench") as tmp:
@@ -74,7 +74,7 @@ def main() -> None:
         events = []
         ckpt = TrainerCheckpoints(Path(tmp) / "checkpoints", cfg, params=trainer.state_params(),
                                   run_state=trainer.run_state, load_run_state=trainer.load_run_state, rank=0,
-                                  world=1, generation=0, emit=events.append)
+                                  world=1, generation=0, emit=events.append, parallelism=trainer.parallelism)
         state_bytes = sum(p.asnumpy().nbytes for p in ckpt.params)
         for _ in range(5):
             trainer.train_step()

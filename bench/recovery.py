@@ -4,7 +4,7 @@ Crash: a fresh daemon (`llm-pretrain run`) trains past step 15 (and, with the
 warm standby on, until the standby has formed its cluster), then rank 1 is
 SIGKILLed and the clock runs until the next generation completes its first
 step. Each crash is broken down from the daemon's event log and the ranks'
-start-up stages (engine/startup.py):
+start-up stages (engine/rank/startup.py):
 
     detect     kill → the daemon's `crash` event
     teardown   → `generation_start` (survivors ended, decision, backoff of 0.2 s)
@@ -39,7 +39,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from daemon.protocol import Command  # noqa: E402
+from contracts.protocol import Command  # noqa: E402
 from daemon.state import RunState  # noqa: E402
 
 TARGET_CRASH_S, TARGET_DAEMON_S = 3.0, 5.0
@@ -77,7 +77,7 @@ def _daemon(run: Path, corpus: Path, *, cache: bool, standby: bool, local: bool 
             f"run.standby={str(standby).lower()}", "health.restart_backoff_initial_s=0.2",
             "health.restart_backoff_max_s=0.2", "run.kill_grace_s=5", "health.allow_fault_injection=true",
             "health.hang_floor_s=5", "health.hang_step_multiplier=10", *extra]
-    cmd = [sys.executable, "-m", "daemon.cli", "run", *sum((["--set", s] for s in sets), [])]
+    cmd = [sys.executable, "-m", "cli", "run", *sum((["--set", s] for s in sets), [])]
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, GLOG_v="3"), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
@@ -167,7 +167,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from engine.prepare import STDLIB, prepare
+    from engine.data.prepare import STDLIB, prepare
 
     # the default: a local group (parallel.local_reduce, no MindSpore cluster); "MindSpore cluster": without
     cases = {"standby": dict(cache=True, standby=True), "cold": dict(cache=True, standby=False),

@@ -3,10 +3,10 @@
 Three implementations of one LLaMA shape, each in its own process, interleaved
 (A B C A B C …), with the same batch geometry, fp32, and every core of the machine:
 
-- `project`: this project's compiled step (engine.worker.Trainer: loss scaling,
+- `project`: this project's compiled step (engine.rank.trainer.Trainer: loss scaling,
   finite check, global-norm clipping, AdamW, the events' host values), fed by its
   own input pipeline;
-- `mindspore`: the same network (engine.model.CausalLM) built from MindSpore's stock
+- `mindspore`: the same network (engine.model.causal_lm.CausalLM) built from MindSpore's stock
   ops (`train.fused_kernels = false`: no C++ kernels of this project's) under
   `nn.TrainOneStepCell` and `nn.AdamWeightDecay`, random token batches;
 - `torch`: Hugging Face's `LlamaForCausalLM` (transformers, SDPA attention) with
@@ -45,7 +45,7 @@ IMPLS = ("project", "mindspore", "torch")
 
 def _config(config: str, steps: int, recompute: bool):
     sys.path.insert(0, str(ROOT))
-    from engine.config import load_config
+    from contracts.config import load_config
 
     sets = [f"train.steps={steps}", "train.grad_accum_steps=1", "checkpoint.interval_steps=0"]
     if recompute:
@@ -80,8 +80,8 @@ def _timed(step, warmup: int, steps: int) -> dict:
 
 
 def run_project(cfg, warmup: int, steps: int) -> dict:
-    from engine import runtime
-    from engine.worker import Trainer
+    from engine.rank import runtime
+    from engine.rank.trainer import Trainer
 
     trainer = Trainer(cfg, runtime.setup(cfg))
     return _timed(trainer.train_step, warmup, steps)
@@ -91,13 +91,12 @@ def run_mindspore(cfg, warmup: int, steps: int) -> dict:
     import mindspore as ms
     from mindspore import Tensor, nn
 
-    from engine import runtime
-    from engine.config import with_changes
-    from engine.model import build_model
+    from contracts.config import with_changes
+    from engine.model.causal_lm import build_model
+    from engine.rank import runtime
 
     cfg = with_changes(cfg, {"train.fused_kernels": False})
-    runtime.setup(cfg)
-    net = build_model(cfg)
+    net = build_model(cfg, runtime.setup(cfg).parallelism)
     o = cfg.optim
     optimizer = nn.AdamWeightDecay(net.trainable_params(), learning_rate=o.lr, beta1=o.beta1, beta2=o.beta2,
                                    eps=o.eps, weight_decay=o.weight_decay)
@@ -118,7 +117,7 @@ def run_torch(cfg, warmup: int, steps: int) -> dict:
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.hf import hf_config
+    from engine.interop.hf import hf_config
 
     torch.manual_seed(cfg.train.seed)
     torch.set_num_threads(os.cpu_count() or 1)

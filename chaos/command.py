@@ -9,10 +9,11 @@ from pathlib import Path
 
 from chaos import faults
 from chaos.soak import Daemon, Plan, Soak, reference_digest, verdict, write_report
+from contracts.config import Config, load_config, with_changes
+from contracts.errors import ConfigError
+from contracts.protocol import ExitCode
 from daemon.lock import holder
-from daemon.protocol import ExitCode
 from daemon.runs import RunNotFoundError, resolve_run_dir
-from engine.config import Config, ConfigError, load_config, with_changes
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 

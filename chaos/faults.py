@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from contracts.protocol import InjectRequest
 from daemon import control
-from daemon.protocol import InjectRequest
 
 if TYPE_CHECKING:
     from chaos.soak import Soak

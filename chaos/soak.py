@@ -21,8 +21,8 @@ from typing import Any, Sequence, TextIO
 
 from chaos import faults
 from chaos.view import RunView
+from contracts.config import Config
 from durable import write_atomically
-from engine.config import Config
 
 POLL_S = 0.2
 
@@ -44,7 +44,7 @@ class Daemon:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.starts += 1
         out = open(self.log_dir / f"chaos-daemon-{self.starts}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "daemon.cli", "run", *self.config_args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "cli", "run", *self.config_args],
                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
     def killed(self, pid: int) -> None:
@@ -155,7 +155,7 @@ def reference_digest(cfg: Config, directory: Path, timeout_s: float) -> str | No
     resolved = cfg.run.resolved_dir().absolute() / "config.resolved.toml"
     sets = [f'run.dir="{directory}"', f'run.log_dir="{directory / "logs"}"', f'run.name="{cfg.run.name}-reference"']
     args = ["--config", str(resolved), *sum((["--set", s] for s in sets), [])]
-    done = subprocess.run([sys.executable, "-m", "daemon.cli", "run", *args], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "cli", "run", *args], capture_output=True, text=True,
                           timeout=timeout_s)
     if done.returncode != 0:
         return None

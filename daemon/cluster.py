@@ -7,7 +7,7 @@ when a generation is a local group and the names of its shared-memory files,
 and a free-port helper. No processes are started here.
 
 A local group: with `parallel.local_reduce` on one CPU machine, the ranks sum
-their gradients through shared memory (engine/local_reduce.py) and need
+their gradients through shared memory (engine/training/local_reduce.py) and need
 nothing of MindSpore's cluster, whose formation was most of a cold start
 (4.6 of 7 s, 3 s of it a fixed sleep in MindSpore's CPU collectives). Such a
 generation starts no scheduler; each rank gets its rank, the world and the
@@ -22,8 +22,8 @@ import socket
 from pathlib import Path
 from typing import Mapping
 
-from daemon.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
-from engine.config import Config
+from contracts.config import Config
+from contracts.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
 
 SHM_DIR = Path("/dev/shm")
 _GROUP_FILES = "llm-pretrain-reduce-{uid}-{pid}-"     # then the port and generation; the engine adds suffixes

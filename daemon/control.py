@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from daemon.protocol import InjectRequest
+from contracts.protocol import InjectRequest
 from durable import write_atomically
 
 MAX_BODY_BYTES = 65536

@@ -26,8 +26,8 @@ import time
 import uuid
 from typing import Any, Callable
 
+from contracts.config import Config
 from daemon.etcd import Etcd, EtcdError, EtcdUnavailableError
-from engine.config import Config
 
 LEADER = 0
 

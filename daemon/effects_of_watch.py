@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from contracts.config import Config
 from daemon import watch
 from daemon.generation import Generation
 from daemon.incidents import Incident, Kind
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
-from engine.config import Config
 
 
 def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generation, peers, files: RunFiles,

@@ -10,7 +10,7 @@ protobuf major version of their own (the `etcd3` package has been unmaintained s
 breaks with protobuf 4); the gateway is part of etcd itself (3.4 and later), needs nothing
 installed on our side and speaks plain JSON, the same API `etcdctl` uses through gRPC.
 
-Imports only engine.config (the `run.coordinator` URL's parser).
+Imports only contracts.config (the `run.coordinator` URL's parser).
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ class Etcd:
     @classmethod
     def from_url(cls, url: str, **kw) -> "Etcd":
         """`etcd://HOST:PORT[,HOST:PORT…]`."""
-        from engine.config import coordinator_endpoints
+        from contracts.config import coordinator_endpoints
 
         return cls(coordinator_endpoints(url), **kw)
 

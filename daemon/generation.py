@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
+from contracts.config import Config
+from contracts.protocol import MAX_SOCKET_PATH_BYTES, decode_event
 from daemon import cluster, device_oom, memcg
-from daemon.protocol import MAX_SOCKET_PATH_BYTES, decode_event
-from engine.config import Config
 
 STACK_DUMP_WAIT_S = 1.0     # for faulthandler in each rank to write its stacks
 
@@ -343,7 +343,7 @@ class Generation:
 
 def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int) -> dict[str, str]:
     """A rank's environment: `base` plus, with more than one rank, MindSpore's dynamic cluster's."""
-    from daemon.protocol import ENV_GENERATION
+    from contracts.protocol import ENV_GENERATION
 
     world = cfg.parallel.world_size
     if world == 1:

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections import deque
 
-from engine.config import HealthConfig
+from contracts.config import HealthConfig
 
 
 @dataclasses.dataclass

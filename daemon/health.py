@@ -23,8 +23,8 @@ import statistics
 from collections import deque
 from typing import Any
 
+from contracts.protocol import StepEvent
 from daemon.incidents import Incident, Kind
-from daemon.protocol import StepEvent
 
 MAD_TO_SIGMA = 1.4826   # MAD × this estimates σ for normal noise
 

@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from typing import Any, Mapping
 
-from daemon.protocol import LrOverride
+from contracts.protocol import LrOverride
 
 
 class Kind(str, enum.Enum):

@@ -16,13 +16,13 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+from contracts.protocol import StepEvent
 from daemon import rebuild
 from daemon.control import ControlDir, Rejected, Request
 from daemon.eventlog import EventLog
 from daemon.incidents import Incident, IncidentRecord, Kind
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
-from daemon.protocol import StepEvent
 from daemon.state import RunState, StateCorruptError, set_aside
 
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)

@@ -145,7 +145,7 @@ class Metrics:
         Raises MetricsPortError when the port cannot be listened on."""
         from importlib import metadata
 
-        from engine.config import config_hash
+        from contracts.config import config_hash
 
         run = cfg.run
         try:

@@ -17,6 +17,9 @@ import time
 import uuid
 from typing import Callable
 
+from contracts.config import Config, with_changes
+from contracts.elastic import shape_on
+from contracts.protocol import ExitCode
 from daemon import recovery, watch
 from daemon.control import Request
 from daemon.coordinator import Coordinator
@@ -24,10 +27,7 @@ from daemon.etcd import Etcd, EtcdError
 from daemon.incidents import Incident, Kind
 from daemon.ledger import Ledger
 from daemon.peers import Opened, PeersUnavailableError
-from daemon.protocol import ExitCode
 from daemon.run_files import RunFiles
-from engine.config import Config, with_changes
-from engine.elastic import shape_on
 
 POLL_S = 0.2
 MARKER = "coordinator.marker"        # node 0 writes it into the run directory; the others must see it
@@ -161,13 +161,13 @@ class Nodes:
 
     def _shaped(self, base: Config, changes: dict, members: tuple[int, ...]) -> Config:
         """The config of a generation of `members`: the policy's changes, and the data-parallel size of
-        these nodes with the same global batch (engine.elastic); the same on every node."""
+        these nodes with the same global batch (contracts.elastic); the same on every node."""
         merged = dict(changes)
         micro = merged.get("train.micro_batch", base.train.micro_batch)
         per_node = base.parallel.world_size // base.run.nodes
         shape = shape_on(len(members), ranks_per_node=per_node, model_parallel=base.parallel.tp * base.parallel.pp,
                          global_batch=base.train.global_batch, micro_batch=micro)
-        if shape is None:       # refused when the config was read (engine.config._check_elastic)
+        if shape is None:       # refused when the config was read (contracts.config._check_elastic)
             raise PeersUnavailableError(f"no shape keeps train.global_batch on {len(members)} nodes", ExitCode.CONFIG_ERROR)
         slot = members.index(self.coord.node) if self.coord.node in members else 0
         merged.update({"parallel.dp": shape.dp, "train.micro_batch": shape.micro_batch,

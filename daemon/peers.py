@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from contracts.config import Config, with_changes
+from contracts.protocol import ExitCode
 from daemon import cluster, recovery, watch
 from daemon.control import Request
 from daemon.incidents import Incident
 from daemon.ledger import Ledger
-from daemon.protocol import ExitCode
 from daemon.run_files import RunFiles
-from engine.config import Config, with_changes
 
 
 @dataclasses.dataclass(frozen=True)

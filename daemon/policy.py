@@ -23,9 +23,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from contracts.config import HealthConfig, TrainConfig
+from contracts.protocol import ExitCode, LrOverride, Recovery
 from daemon.incidents import Action, Halt, Incident, Kind, Restart, Rollback
-from daemon.protocol import ExitCode, LrOverride, Recovery
-from engine.config import HealthConfig, TrainConfig
 
 NUMERIC = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
 

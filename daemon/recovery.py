@@ -16,12 +16,12 @@ import time
 import tenacity
 
 from checkpointing import layout
+from contracts.config import Config, HealthConfig, with_changes
+from contracts.protocol import ExitCode, Recovery
 from daemon import policy
 from daemon.incidents import Action, Halt, Incident, IncidentRecord, Restart, Rollback
-from daemon.protocol import ExitCode, Recovery
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
-from engine.config import Config, HealthConfig, with_changes
 
 _ROLLBACK_FIELDS = ("skip", "lr_overrides", "loss_scale", "loss_scale_cap_until_step", "quarantine")
 

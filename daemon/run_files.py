@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from checkpointing import CheckpointError, layout, reader, retention
+from contracts.config import Config, to_toml, with_changes
+from contracts.protocol import ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_MEMORY_LIMIT, ENV_RECOVERY, Command, Recovery
 from daemon import cluster
 from daemon.generation import worker_env
 from daemon.incidents import IncidentRecord
 from daemon.policy import newest_healthy
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_MEMORY_LIMIT, ENV_RECOVERY, Command, Recovery)
 from durable import write_atomically
-from engine.config import Config, to_toml, with_changes
 
 RESOLVED_CONFIG = "config.resolved.toml"
 _SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")

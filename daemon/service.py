@@ -15,8 +15,9 @@ import stat
 import sys
 from pathlib import Path
 
+from contracts.config import load_config
+from contracts.errors import ConfigError
 from durable import write_atomically
-from engine.config import ConfigError, load_config
 
 UNITS_DIR = Path(__file__).resolve().parents[1] / "systemd"
 DEFAULT_VENV = "/opt/llm-pretrain/.venv"

@@ -1,7 +1,7 @@
 """A warm standby: the next generation's processes, started while this one trains, waiting to be its ranks.
 
 Owns: when a standby may be used, starting it, handing it its generation, and
-retiring it (the worker's half is engine/standby.py). A restart that finds one
+retiring it (the worker's half is engine/rank/standby.py). A restart that finds one
 skips the ranks' interpreter start, MindSpore's import and the dynamic
 cluster's formation — on CPU about 5.5 of the 6 s between a crash and the next
 generation's first step (bench/recovery.py).
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
+from contracts.config import Config
+from contracts.protocol import ENV_STANDBY_FD, PhaseEvent, activation_line
 from daemon import cluster
 from daemon.generation import Worker, spawn, spawn_rank, stop_all
-from daemon.protocol import ENV_STANDBY_FD, PhaseEvent, activation_line
-from engine.config import Config
 
 RETIRE_GRACE_S = 0.5      # a retired standby exits on its own when its pipe closes
 FORM_TIMEOUT_S = 60.0     # a standby not formed by then is stuck (it takes ~5 s on CPU): not used

@@ -19,11 +19,11 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping
 
+from contracts.errors import DataError
+from contracts.protocol import Recovery
 from daemon.eventlog import non_finite_floats, strict_json
 from daemon.incidents import IncidentRecord
-from daemon.protocol import Recovery
 from durable import fsync_path, write_atomically
-from engine.config import DataError
 
 STATE_FILE = "state.json"
 

@@ -24,9 +24,9 @@ import statistics
 from collections import deque
 from typing import Sequence
 
+from contracts.config import HealthConfig
+from contracts.protocol import StepEvent
 from daemon.incidents import Incident, Kind
-from daemon.protocol import StepEvent
-from engine.config import HealthConfig
 
 
 class StragglerDetector:

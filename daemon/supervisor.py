@@ -1,12 +1,11 @@
 """The supervisor: runs this node's ranks as generations, watches them, and brings them back.
 
-The main loop of `llm-pretrain run`, shaped like torch elastic's `_invoke_run`:
-start a generation (daemon.generation: the processes) → monitor it (daemon.watch:
-a pure state machine fed events, exits, control requests and the time) → branch
-on its typed outcome → recover (daemon.recovery: the policy's decision, on disk
-before it is carried out) → the next generation, with the config resolved at the
-daemon's start plus the policy's changes (`<run.dir>/config.resolved.toml`).
-Never imports MindSpore; the worker command is an argument (tests use a fake).
+The main loop of `llm-pretrain run`, shaped like torch elastic's `_invoke_run`: start a generation
+(daemon.generation: the processes) → monitor it (daemon.watch: a pure state machine fed events, exits,
+control requests and the time) → branch on its typed outcome → recover (daemon.recovery: the policy's
+decision, on disk before it is carried out) → the next generation, with the config resolved at the
+daemon's start plus the policy's changes (`<run.dir>/config.resolved.toml`). Never imports MindSpore;
+the worker command is an argument (tests use a fake).
 """
 from __future__ import annotations
 
@@ -16,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from contracts.config import Config, with_changes
+from contracts.errors import ConfigError
+from contracts.protocol import ExitCode
 from daemon import control, effects_of_watch, memcg, peers, recovery, standby, watch
-from daemon.nodes import Nodes
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, end_previous_daemons_leftovers, socket_path
 from daemon.health import HealthMonitor
@@ -25,10 +26,9 @@ from daemon.incidents import Halt, Incident, Kind
 from daemon.ledger import Ledger
 from daemon.lock import LockHeldError, LockUnusableError, RunLock
 from daemon.metrics import Metrics, MetricsPortError
+from daemon.nodes import Nodes
 from daemon.notify import Notifier
-from daemon.protocol import ExitCode
 from daemon.run_files import RunFiles
-from engine.config import Config, ConfigError, with_changes
 
 TICK_S = 0.1
 

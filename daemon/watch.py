@@ -20,13 +20,13 @@ import enum
 import signal
 from typing import Any, Mapping, Sequence
 
+from contracts.config import Config
+from contracts.protocol import CheckpointEvent, DataFaultEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
 from daemon import hang
 from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
 from daemon.straggler import StragglerDetector
-from daemon.protocol import CheckpointEvent, DataFaultEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
-from engine.config import Config
 
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
 PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 def cli() -> list[str]:
     """The `llm-pretrain` command of the environment running the tests."""
     exe = Path(sys.executable).parent / "llm-pretrain"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "daemon.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "cli"]
 
 
 @pytest.fixture(scope="session")

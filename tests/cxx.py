@@ -1,4 +1,4 @@
-"""The C++ compiler the fused CPU kernels are built with (engine/fused_cpu.py): tests that need it
+"""The C++ compiler the fused CPU kernels are built with (engine/model/fused_cpu.py): tests that need it
 skip without one, saying how to get it, except under CI, where .ci/run installs it and a skip would
 hide a missing install step."""
 from __future__ import annotations

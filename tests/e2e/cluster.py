@@ -56,7 +56,7 @@ class Cluster:
     def __init__(self, cli: list[str], env: dict, workdir: Path, args: list[str], ranks: int = 2):
         self.workdir, self.ranks = workdir, ranks
         common = dict(sched_host="127.0.0.1", sched_port=free_port(), worker_num=ranks, local_worker_num=ranks)
-        self.scheduler = subprocess.Popen([sys.executable, "-m", "engine.scheduler"], cwd=workdir,
+        self.scheduler = subprocess.Popen([sys.executable, "-m", "engine.rank.scheduler"], cwd=workdir,
                                           env=process_env(env, role=SCHEDULER, **common),
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.logs = [workdir / f"rank{r}.log" for r in range(ranks)]

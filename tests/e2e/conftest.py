@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from engine.config import load_config
+from contracts.config import load_config
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +21,7 @@ def mindspore_cpu():
 @pytest.fixture(scope="session")
 def stdlib_corpus(tmp_path_factory) -> str:
     """The embedded default corpus, prepared once for the whole session."""
-    from engine.prepare import STDLIB, prepare
+    from engine.data.prepare import STDLIB, prepare
 
     out = tmp_path_factory.mktemp("corpus") / "stdlib"
     prepare([STDLIB], out, log=open(os.devnull, "w"))
@@ -31,12 +31,13 @@ def stdlib_corpus(tmp_path_factory) -> str:
 @pytest.fixture
 def make_trainer(mindspore_cpu, stdlib_corpus):
     """Builds a Trainer on the tiny config (trained on the stdlib corpus) with overrides."""
-    from engine.runtime import RankInfo
-    from engine.worker import Trainer
+    from engine.layout.parallel import decide
+    from engine.rank.runtime import RankInfo
+    from engine.rank.trainer import Trainer
 
     def build(*overrides: str, **kwargs) -> Trainer:
         cfg = load_config(None, [f'data.path="{stdlib_corpus}"', *overrides])
-        return Trainer(cfg, RankInfo(rank=0, world_size=1, local_world_size=1), **kwargs)
+        return Trainer(cfg, RankInfo(rank=0, world_size=1, local_world_size=1, parallelism=decide(cfg)), **kwargs)
 
     return build
 

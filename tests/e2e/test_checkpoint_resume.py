@@ -168,15 +168,15 @@ def test_a_shard_loads_with_mindspores_own_loader(mindspore_cpu, cli, quiet_env,
 def test_the_trainers_state_round_trips_through_a_checkpoint_and_retention_is_opt_in(make_trainer, tmp_path):
     """In process: TrainerCheckpoints saves what Trainer.run_state gives it, under the manifest's
     long-standing keys, and load_run_state takes it back; retention only when asked (rank 0 alone)."""
-    from daemon.protocol import LrOverride
-    from engine.checkpoint import TrainerCheckpoints
+    from contracts.protocol import LrOverride
+    from engine.rank.checkpoint import TrainerCheckpoints
 
     root, events = tmp_path / "checkpoints", []
 
     def checkpoints(trainer, *, retain):
         return TrainerCheckpoints(root, trainer.cfg, params=trainer.state_params(), run_state=trainer.run_state,
                                   load_run_state=trainer.load_run_state, rank=0, world=1, generation=0,
-                                  emit=events.append, retain=retain)
+                                  emit=events.append, parallelism=trainer.parallelism, retain=retain)
 
     a = make_trainer("checkpoint.keep_last=1")
     a.set_skips([(40, 48)])

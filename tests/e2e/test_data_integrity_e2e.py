@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from daemon.state import RunState
-from engine.prepare import prepare
+from engine.data.prepare import prepare
 from tests.e2e.cluster import daemon_events, wait_for
 
 BLOCK = 4096

@@ -5,9 +5,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from engine.corpus import Corpus
-from engine.data import CorpusSource, rank_slice
-from engine.feed import feed
+from engine.data.corpus import Corpus
+from engine.data.feed import feed
+from engine.data.order import CorpusSource, rank_slice
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from engine import hf
+from engine.interop import hf
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -143,7 +143,7 @@ def test_an_exported_run_loads_with_auto_classes_and_its_tokenizer_and_generates
 
 
 def test_init_from_a_mismatched_model_is_a_config_error_naming_the_keys(make_trainer, tmp_path):
-    from engine.config import ConfigError
+    from contracts.errors import ConfigError
 
     trainer = make_trainer()
     hf.save(tmp_path, trainer.cfg.model, _tensors(trainer.net))

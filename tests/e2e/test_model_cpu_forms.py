@@ -1,10 +1,11 @@
 """The CPU's memory-lean forms of the model (explicit broadcasts, Softmax's own gradient, rotate-half
-as a matmul) and its fused C++ kernels (engine/fused_cpu.py: RMSNorm, causal softmax, SwiGLU, RoPE)
+as a matmul) and its fused C++ kernels (engine/model/fused_cpu.py: RMSNorm, causal softmax, SwiGLU, RoPE)
 compute what the plain forms compute: the same loss and the same gradients."""
 import numpy as np
 import pytest
 
-from engine.config import load_config
+from contracts.config import load_config
+from engine.layout.parallel import decide
 from tests.cxx import cxx
 
 pytestmark = pytest.mark.e2e
@@ -14,7 +15,7 @@ def _loss_and_grads(cfg, explicit: bool, tokens: np.ndarray, fused: bool = False
     import mindspore as ms
     from mindspore import Tensor
 
-    from engine.model import CausalLM
+    from engine.model.causal_lm import CausalLM
 
     net = CausalLM(cfg.model, seed=cfg.train.seed, compute_dtype=cfg.train.precision,
                    recompute_layers=cfg.recompute_layers, explicit_broadcast=explicit, fused_kernels=fused)
@@ -64,16 +65,17 @@ def test_fused_kernels_give_the_plain_forms_loss_and_gradients(mindspore_cpu, ov
 
 def test_the_cpu_model_uses_the_fused_kernels_unless_told_not_to(mindspore_cpu):
     cxx()
-    from engine.model import build_model
+    from engine.model.causal_lm import build_model
 
-    assert build_model(load_config(None, [])).fused
-    assert not build_model(load_config(None, ["train.fused_kernels=false"])).fused
+    fused, plain = load_config(None, []), load_config(None, ["train.fused_kernels=false"])
+    assert build_model(fused, decide(fused)).fused
+    assert not build_model(plain, decide(plain)).fused
 
 
 def test_rotate_half_matrix_is_rotate_half(mindspore_cpu):
     from mindspore import Tensor
 
-    from engine.model import rotate_half, rotate_half_matrix
+    from engine.model.causal_lm import rotate_half, rotate_half_matrix
 
     x = np.random.default_rng(3).normal(size=(2, 3, 5, 8)).astype(np.float32)
     by_matrix = x.reshape(-1, 8) @ rotate_half_matrix(8)

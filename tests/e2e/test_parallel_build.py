@@ -5,8 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from engine import memory_model as mm
-from engine.config import load_config
+from contracts.config import load_config
+from engine.layout import memory_model as mm
+from engine.layout.parallel import decide
 
 ROOT = Path(__file__).resolve().parents[2]
 ASCEND = ['train.device="ascend"', 'train.precision="bf16"', "model.num_heads=8", "model.num_kv_heads=4",
@@ -26,11 +27,11 @@ def _primitive_names(cell) -> set[str]:
 
 @pytest.mark.parametrize("overrides,pp", [(TP, 1), (PP, 2), (ALL, 2)], ids=["dp-tp", "pp", "dp-tp-pp-sp"])
 def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accumulation(mindspore_cpu, overrides, pp):
-    from engine.model import CausalLM, PipelinedCausalLM, build_model
-    from engine.sharded_step import ShardedStep
+    from engine.model.causal_lm import CausalLM, PipelinedCausalLM, build_model
+    from engine.training.sharded_step import ShardedStep
 
     cfg = load_config(None, overrides)
-    net = build_model(cfg)
+    net = build_model(cfg, decide(cfg))
     assert isinstance(net, PipelinedCausalLM if pp > 1 else CausalLM)
     cells = dict(net.cells_and_names())
     q = cells["model.layers.0.self_attn.q_proj"].matmul.attrs["in_strategy"]
@@ -51,19 +52,20 @@ def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accum
 
 
 def test_pipeline_stage_one_layout_builds_and_leaves_stages_unset(mindspore_cpu):
-    from engine.model import build_model
+    from engine.model.causal_lm import build_model
 
-    net = build_model(load_config(None, TP))
+    cfg = load_config(None, TP)
+    net = build_model(cfg, decide(cfg))
     assert all(getattr(c, "pipeline_stage", 0) == 0 for c in net.cells())
 
 
 def test_data_parallel_step_reduces_by_hand_and_the_cpu_model_is_untouched(mindspore_cpu):
-    from engine.model import build_model
-    from engine.step import TrainStep, build_step
+    from engine.model.causal_lm import build_model
+    from engine.training.step import TrainStep, build_step
 
     cfg = load_config(None, [])
-    net = build_model(cfg)
-    step = build_step(net, cfg)
+    net = build_model(cfg, decide(cfg))
+    step = build_step(net, cfg, decide(cfg))
     assert isinstance(step, TrainStep) and step.all_reduce is None      # one rank: nothing to reduce
     assert "in_strategy" not in net.model.layers[0].self_attn.q_proj.matmul.attrs
 
@@ -75,12 +77,12 @@ def test_data_parallel_step_reduces_by_hand_and_the_cpu_model_is_untouched(minds
 def test_state_sizes_equal_the_tensors_a_cpu_build_allocates(mindspore_cpu, path, overrides):
     import mindspore as ms
 
-    from engine.model import build_model
-    from engine.step import build_step
+    from engine.model.causal_lm import build_model
+    from engine.training.step import build_step
 
     cfg = load_config(path, overrides)
-    net = build_model(cfg)
-    step = build_step(net, cfg)
+    net = build_model(cfg, decide(cfg))
+    step = build_step(net, cfg, decide(cfg))
     nbytes = lambda params: sum(int(np.prod(p.shape)) * p.data.itemsize for p in params)
     estimate = mm.estimate(cfg)[0]
     assert estimate.params == nbytes(net.trainable_params())

@@ -114,14 +114,14 @@ RECOVERY = dict(checkpoint_step=50, loss_scale=1024.0, loss_scale_cap=1024.0, lo
     ({**RECOVERY, "loss_scale": None}, 50, 50, (None, 1024.0, 1050)),
 ])
 def test_what_a_recovery_asks_of_the_loss_scaler(recovery, restored, step, plan):
-    from daemon.protocol import Recovery
-    from engine.loss_scale import after_recovery
+    from contracts.protocol import Recovery
+    from engine.training.loss_scale import after_recovery
 
     assert after_recovery(Recovery(**recovery), restored_step=restored, step=step) == plan
 
 
 def test_a_recovery_restarts_caps_and_then_lifts_the_fp16_scale(make_trainer):
-    from daemon.protocol import Recovery
+    from contracts.protocol import Recovery
 
     trainer = make_trainer('train.precision="fp16"', "train.loss_scale_window_steps=2")
     recovery = Recovery(checkpoint_step=0, loss_scale=8.0, loss_scale_cap=16.0, loss_scale_cap_until_step=6)
@@ -134,7 +134,7 @@ def test_a_recovery_restarts_caps_and_then_lifts_the_fp16_scale(make_trainer):
 
 
 def test_fp32_ignores_the_loss_scale_part_of_a_recovery(make_trainer):
-    from daemon.protocol import Recovery
+    from contracts.protocol import Recovery
 
     trainer = make_trainer()
     assert trainer.apply_recovery(Recovery(**RECOVERY), restored_step=50) == 0

@@ -92,4 +92,4 @@ def test_a_rank_killed_by_sigsegv_writes_its_python_stack_to_its_log(cli, quiet_
     proc.send_signal(signal.SIGSEGV)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGSEGV, err[-2000:]
-    assert "Fatal Python error: Segmentation fault" in err and "engine/worker.py" in err, err[-2000:]
+    assert "Fatal Python error: Segmentation fault" in err and "engine/rank/trainer.py" in err, err[-2000:]

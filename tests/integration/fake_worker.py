@@ -1,6 +1,6 @@
 """A stdlib-only stand-in for `llm-pretrain train`, for the supervisor's integration tests.
 
-Speaks the real protocol (daemon.protocol): phase, step, checkpoint and exit
+Speaks the real protocol (contracts.protocol): phase, step, checkpoint and exit
 events as datagrams; the commands file; SIGTERM; faulthandler on SIGUSR1. Its
 "checkpoints" are directories `step-N/` under <run-dir>/checkpoints, from
 which it resumes. Faults on cue, in chosen generations:
@@ -27,13 +27,27 @@ import signal
 import socket
 import sys
 import time
-import tomllib
 from pathlib import Path
 
-from daemon.protocol import (ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK,
-                             ENV_RECOVERY, ENV_STANDBY_FD,
-                             CheckpointEvent, Command, ExitEvent, PhaseEvent, Recovery, StepEvent, await_activation,
-                             send_datagram)
+import tomllib
+
+from contracts.protocol import (
+    ENV_COMMANDS,
+    ENV_EVENT_SOCKET,
+    ENV_GENERATION,
+    ENV_LOCAL_GROUP,
+    ENV_LOCAL_RANK,
+    ENV_RECOVERY,
+    ENV_STANDBY_FD,
+    CheckpointEvent,
+    Command,
+    ExitEvent,
+    PhaseEvent,
+    Recovery,
+    StepEvent,
+    await_activation,
+    send_datagram,
+)
 
 
 def _rank() -> int:
@@ -60,7 +74,7 @@ def main() -> int:
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
     a = ap.parse_args()
-    if os.environ.get(ENV_STANDBY_FD):          # a warm standby: wait to be made a rank (engine/standby.py)
+    if os.environ.get(ENV_STANDBY_FD):          # a warm standby: wait to be made a rank (engine/rank/standby.py)
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
             ready.setblocking(False)
             send_datagram(ready, os.environ[ENV_EVENT_SOCKET], PhaseEvent(
@@ -126,7 +140,7 @@ def main() -> int:
     overrides = recovery.lr_overrides if recovery else ()
 
     def sample_range(n):
-        # 8 samples per step; skipped ranges are stepped over (a stand-in for engine.data)
+        # 8 samples per step; skipped ranges are stepped over (a stand-in for engine.data.order)
         start = 8 * (n - 1)
         for a_, b_ in skips:
             if start >= a_:

@@ -13,8 +13,8 @@ import os
 import signal
 import sys
 
+from contracts.config import load_config
 from daemon.supervisor import Supervisor
-from engine.config import load_config
 
 
 def _die(*_, **__):

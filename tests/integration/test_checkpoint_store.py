@@ -20,7 +20,7 @@ from tests.integration.crash_writer import SHAPES
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# the RAM tier's writer (engine/checkpoint.py): in a process of its own, CRC32C, saves written over retired shards
+# the RAM tier's writer (engine/rank/checkpoint.py): in a process of its own, CRC32C, saves written over retired shards
 RAM_TIER = dict(kind=ProcessShardWriter, checksum="crc32c", recycle=True, latest_hint=False)
 
 

@@ -51,7 +51,7 @@ def test_usage_error_exits_2(cli, quiet_env):
 
 
 def test_config_command_never_loads_mindspore(quiet_env):
-    code = ("import sys, daemon.cli; rc = daemon.cli.main(['config', '--set', 'train.steps=5']);"
+    code = ("import sys, cli.main; rc = cli.main.main(['config', '--set', 'train.steps=5']);"
             "assert 'mindspore' not in sys.modules, 'mindspore was imported'; sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=quiet_env, timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -61,7 +61,7 @@ def test_config_command_never_loads_mindspore(quiet_env):
 def test_config_prints_toml_that_reads_back_equal_and_json_on_request(tmp_path, cli, quiet_env):
     import json
 
-    from engine.config import config_hash, load_config
+    from contracts.config import config_hash, load_config
 
     sets = ["--set", "train.steps=7", "--set", 'run.name="x"']
     toml = subprocess.run([*cli, "config", *sets], capture_output=True, text=True, env=quiet_env, timeout=60)
@@ -116,7 +116,7 @@ def test_checkpoints_show_of_a_missing_step_names_the_steps_there_are(tmp_path, 
 
 
 def test_a_drill_for_a_run_whose_daemon_has_drills_off_is_refused_with_78(tmp_path, cli, quiet_env):
-    from engine.config import load_config, to_toml
+    from contracts.config import load_config, to_toml
 
     run = tmp_path / "run"
     (run / "control").mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/fused_cpu.cc), called as MindSpore calls them, through ctypes: built by
+"""The fused CPU kernels (engine/model/fused_cpu.cc), called as MindSpore calls them, through ctypes: built by
 the real compiler, checked against numpy in float64, forward and backward; the same bits on any thread
 count; a NaN reaches the output; the build is cached by content and fails in one clear line."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import ctypes
 import numpy as np
 import pytest
 
-from engine import fused_cpu
+from engine.model import fused_cpu
 from tests.cxx import cxx
 
 

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.local_reduce import LocalAllReduce
+from engine.training.local_reduce import LocalAllReduce
 
 pytestmark = pytest.mark.integration
 

@@ -5,7 +5,7 @@ import struct
 import subprocess
 import zlib
 
-from daemon import plot
+from cli import plot
 from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
 from daemon.state import RunState
 from tests.integration.test_recovery_policy import QUICK_HEALTH

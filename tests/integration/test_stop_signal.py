@@ -1,4 +1,4 @@
-"""A rank's stop request by signal (engine/stop_signal.py) against the kernel's real parent-death signal.
+"""A rank's stop request by signal (engine/rank/stop_signal.py) against the kernel's real parent-death signal.
 
 A daemon killed with SIGKILL dies thread by thread, and its child, handed from
 one dying thread to the next, gets the parent-death signal each time: a rank
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # and exits 0, having written how many SIGTERMs it saw.
 RANK = textwrap.dedent("""
     import sys, time
-    from engine.stop_signal import StopSignal
+    from engine.rank.stop_signal import StopSignal
     stop = StopSignal()
     out = sys.argv[1]
     open(out + ".up", "w").close()

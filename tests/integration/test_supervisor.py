@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from daemon.state import RunState
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -283,7 +282,7 @@ def test_a_worker_config_error_is_passed_on_not_retried(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     code = subprocess.run([sys.executable, "-c", (
-        "import sys; from daemon.supervisor import Supervisor; from engine.config import load_config; "
+        "import sys; from daemon.supervisor import Supervisor; from contracts.config import load_config; "
         f"cfg = load_config(None, ['run.dir=\"{run}\"']); "
         "sys.exit(Supervisor(cfg, worker_cmd=[sys.executable, '-c', 'import sys; sys.exit(78)'], "
         "scheduler_cmd=None).run())")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)

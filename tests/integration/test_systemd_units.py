@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.protocol import FINAL_EXIT_CODES
+from contracts.protocol import FINAL_EXIT_CODES
 
 needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 SYSTEM_PYTHON = "/usr/bin/python3"

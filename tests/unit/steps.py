@@ -1,5 +1,5 @@
 """Step events for the detectors' tests: the fields they read, with defaults for the rest."""
-from daemon.protocol import StepEvent
+from contracts.protocol import StepEvent
 
 
 def step_event(*, step: int, loss: float, grad_norm: float = 1.0, loss_scale: float = 1.0, skipped: bool = False,

@@ -3,7 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import Config, ConfigError, config_from_dict, config_hash, load_config, parse_override
+from contracts.config import Config, config_from_dict, config_hash, load_config, parse_override
+from contracts.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +66,7 @@ BAD = [
 def test_a_multi_node_run_names_its_coordinator_and_keys():
     cfg = load_config(None, ["run.nodes=3", "run.node_rank=1", "run.master_port=29500", "parallel.dp=3",
                              "train.global_batch=24", 'run.coordinator="etcd://10.0.0.1:2379,10.0.0.2:2379"'])
-    from engine.config import coordinator_endpoints
+    from contracts.config import coordinator_endpoints
 
     assert coordinator_endpoints(cfg.run.coordinator) == [("10.0.0.1", 2379), ("10.0.0.2", 2379)]
     assert cfg.run.key_prefix == "/llm-pretrain/tiny/" and cfg.run.quorum == 3
@@ -168,7 +169,7 @@ def test_run_paths_follow_systemd_directories():
 
 
 def test_every_field_is_documented_where_declared():
-    source = (ROOT / "engine" / "config.py").read_text()
+    source = (ROOT / "contracts" / "config.py").read_text()
     for section in dataclasses.fields(Config):
         for field in dataclasses.fields(section.default):
             line = next(l for l in source.splitlines() if l.strip().startswith(f"{field.name}:"))
@@ -176,7 +177,7 @@ def test_every_field_is_documented_where_declared():
 
 
 def test_an_elastic_shape_keeps_the_global_batch_growing_accumulation_and_shrinking_the_micro_batch_if_needed():
-    from engine.elastic import shape_on
+    from contracts.elastic import shape_on
 
     assert shape_on(3, ranks_per_node=1, model_parallel=1, global_batch=12, micro_batch=4).grad_accum_steps == 1
     two = shape_on(2, ranks_per_node=1, model_parallel=1, global_batch=12, micro_batch=4)

@@ -69,16 +69,16 @@ def test_json_is_kept_on_a_terminal_when_asked_and_people_get_lines_by_default(m
     import pty
     import sys
 
-    from daemon import cli
+    from cli import main as cli_main
 
     leader, follower = pty.openpty()
     try:
         with os.fdopen(follower, "w", closefd=False) as tty:
             monkeypatch.setattr(sys, "stdout", tty)
             assert tty.isatty()
-            assert cli._console(argparse.Namespace(log_format="json"), default=True) is None
-            assert cli._console(argparse.Namespace(log_format="auto"), default=True) is not None
-            assert cli._console(argparse.Namespace(log_format="auto"), default=False) is None
+            assert cli_main._console(argparse.Namespace(log_format="json"), default=True) is None
+            assert cli_main._console(argparse.Namespace(log_format="auto"), default=True) is not None
+            assert cli_main._console(argparse.Namespace(log_format="auto"), default=False) is None
     finally:
         os.close(leader)
         os.close(follower)

@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from engine.config import DataError, load_config
-from engine.corpus import Corpus, CorpusWriter, iter_documents
-from engine.data import CorpusSource, open_source
+from contracts.config import load_config
+from contracts.errors import DataError
+from engine.data.corpus import Corpus, CorpusWriter, iter_documents
+from engine.data.order import CorpusSource, open_source
 
 BYTE = {"kind": "byte", "vocab_size": 257, "eos_id": 256}
 

@@ -7,10 +7,10 @@ import crc32c
 import numpy as np
 import pytest
 
-from engine.config import DataError
-from engine.corpus import Corpus, CorpusWriter
-from engine.corpus_blocks import CorruptBlockError, RunningBlocks
-from engine.data import CorpusSource, step_samples
+from contracts.errors import DataError
+from engine.data.corpus import Corpus, CorpusWriter
+from engine.data.corpus_blocks import CorruptBlockError, RunningBlocks
+from engine.data.order import CorpusSource, step_samples
 
 pytestmark = pytest.mark.unit
 

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from engine.config import load_config
-from engine.data import (SyntheticSource, merge_ranges, permute, rank_slice, step_samples, take)
+from contracts.config import load_config
+from engine.data.order import SyntheticSource, merge_ranges, permute, rank_slice, step_samples, take
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 100, 1000, 4097])

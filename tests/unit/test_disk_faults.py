@@ -93,9 +93,9 @@ def test_a_metrics_textfile_the_disk_refuses_never_raises_and_is_written_again_l
 
 
 def test_room_for_fewer_than_two_more_checkpoints_is_one_warning_until_space_comes_back(tmp_path):
+    from contracts.config import load_config
     from daemon.effects_of_watch import _disk_space
     from daemon.run_files import RunFiles
-    from engine.config import load_config
 
     files = RunFiles(load_config(None, [f'run.dir="{tmp_path / "run"}"']), {})
     step_dir = layout.step_dir(files.ckpt_root, 10)

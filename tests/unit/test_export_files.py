@@ -14,9 +14,10 @@ import pytest
 
 from checkpointing import layout
 from checkpointing.writer import ShardWriter
-from engine import hf, mindformers
-from engine.config import DataError, ModelConfig
-from engine.tokenizer import BYTE_EOS_TOKEN, ByteTokenizer, HFTokenizer, hf_tokenizer_files
+from contracts.config import ModelConfig
+from contracts.errors import DataError
+from engine.data.tokenizer import BYTE_EOS_TOKEN, ByteTokenizer, HFTokenizer, hf_tokenizer_files
+from engine.interop import hf, mindformers
 
 M = ModelConfig(vocab_size=300, hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16,
                 max_seq_len=32)

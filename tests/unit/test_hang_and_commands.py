@@ -3,13 +3,13 @@ import math
 import numpy as np
 import pytest
 
+from contracts.config import HealthConfig, load_config
+from contracts.protocol import Command, LrOverride, Recovery
+from daemon.generation import socket_path
 from daemon.hang import RankProgress, StepTimes, is_hung, timeout_s
 from daemon.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
-from daemon.protocol import Command, LrOverride, Recovery
 from daemon.state import RunState
-from daemon.generation import socket_path
-from engine.commands import WINDOW, CommandReader
-from engine.config import HealthConfig, load_config
+from engine.rank.commands import WINDOW, CommandReader
 
 CFG = HealthConfig(hang_floor_s=30, hang_step_multiplier=10, hang_start_timeout_s=600,
                    hang_compile_timeout_s=900, hang_checkpoint_timeout_s=300)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from contracts.config import HealthConfig
 from daemon.health import HealthMonitor
-from engine.config import HealthConfig
 from tests.unit.steps import step_event
 
 CURVES = Path(__file__).resolve().parents[1] / "data" / "loss-curves"     # provenance: README.md there

@@ -1,12 +1,13 @@
 """model.init_from = "hf:DIR": every config.json key that changes the logits must match model.* or be
-refused by name (engine.hf.init_mismatches, through load_for_init). Pure: numpy and JSON, no MindSpore."""
+refused by name (engine.interop.hf.init_mismatches, through load_for_init). Pure: numpy and JSON, no MindSpore."""
 import json
 
 import numpy as np
 import pytest
 
-from engine import hf
-from engine.config import ConfigError, ModelConfig
+from contracts.config import ModelConfig
+from contracts.errors import ConfigError
+from engine.interop import hf
 
 M = ModelConfig()      # rope_theta 10000.0, norm_eps 1e-5, max_seq_len 256, 4 heads of 16, 2 kv heads, untied
 

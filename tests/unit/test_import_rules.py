@@ -32,14 +32,100 @@ def _files(package: str):
     return sorted((ROOT / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", _files("daemon"), ids=lambda p: p.name)
-def test_daemon_never_imports_mindspore_at_module_level_nor_engine_internals(path):
-    for name in _module_level_imports(path):
-        assert not name.startswith("mindspore"), f"{path.name} imports {name}"
-        # engine.config and engine.elastic (a run's shape on fewer nodes) are pure: the daemon and the
-        # config's own validation share them
-        assert not name.startswith("engine") or name in ("engine.config", "engine.elastic"), \
-            f"{path.name} imports {name}"
+PACKAGES = ("contracts", "cli", "daemon", "engine", "checkpointing", "durable", "chaos")
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _project_imports(path: Path) -> set[str]:
+    """The project's modules a file imports, anywhere but under `if TYPE_CHECKING:` (a type's name
+    is not an import at run time). `from pkg import mod` counts as importing pkg.mod."""
+    modules = {_module_name(p) for pkg in PACKAGES for p in _files(pkg)}
+    tree = ast.parse(path.read_text())
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m in modules and m != _module_name(path)}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _project_imports(p) for pkg in PACKAGES for p in _files(pkg)}
+
+
+def test_the_import_graph_has_no_circle():
+    graph, cycles = _graph(), []
+    index, low, stack, on_stack = {}, {}, [], set()
+
+    def visit(v):                      # Tarjan: every strongly connected component of two or more is a circle
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []
+
+
+def test_the_graph_check_sees_a_circle_and_an_arrow():
+    """The two tests above and below would pass on an empty graph: they must see these imports."""
+    graph = _graph()
+    assert "contracts.config" in graph["daemon.supervisor"]
+    assert "engine.training.step_state" in graph["engine.training.step"]
+    assert "engine.rank.trainer" in graph["cli.main"] and "daemon.supervisor" in graph["cli.main"]
+
+
+@pytest.mark.parametrize("package,never", [
+    ("contracts", ("engine", "daemon", "cli", "checkpointing", "chaos")),
+    ("engine", ("daemon", "cli", "chaos")),
+    ("daemon", ("engine", "cli", "chaos")),
+    ("checkpointing", ("engine", "daemon", "cli", "contracts", "chaos")),
+    ("durable", ("engine", "daemon", "cli", "contracts", "checkpointing", "chaos")),
+])
+def test_the_sides_import_each_other_only_through_contracts(package, never):
+    """engine and daemon share only `contracts`; only the command line (and the soak, a client) imports both."""
+    arrows = [f"{_module_name(p)} -> {m}" for p in _files(package) for m in _project_imports(p)
+              if m.split(".")[0] in never]
+    assert arrows == []
+
+
+@pytest.mark.parametrize("path", _files("daemon") + _files("contracts"), ids=lambda p: p.name)
+def test_the_daemon_and_the_contracts_never_import_mindspore(path):
+    assert not any(n.startswith("mindspore") for n in _imports(path)), path
+
+
+@pytest.mark.parametrize("path", _files("contracts"), ids=lambda p: p.name)
+def test_the_contracts_are_stdlib_only(path):
+    import sys
+    for name in _imports(path):
+        assert name.split(".")[0] in sys.stdlib_module_names or name.split(".")[0] in ("__future__", "contracts"), name
 
 
 @pytest.mark.parametrize("path", _files("checkpointing"), ids=lambda p: p.name)
@@ -48,22 +134,19 @@ def test_checkpointing_imports_neither_daemon_nor_engine(path):
         assert not name.startswith(("daemon", "engine")), f"{path.name} imports {name}"
 
 
-def test_protocol_is_stdlib_only():
-    import sys
-    for name in _imports(ROOT / "daemon" / "protocol.py"):
-        assert name.split(".")[0] in sys.stdlib_module_names or name == "__future__", name
-
-
-@pytest.mark.parametrize("name", ["__init__.py", "config.py", "schedule.py", "data.py", "parallel.py", "memory_model.py",
-                                  "plan.py", "dry_run.py"])
-def test_engine_modules_the_supervisor_may_load_do_not_import_mindspore(name):
+@pytest.mark.parametrize("name", ["__init__.py", "layout/__init__.py", "layout/parallel.py", "layout/memory_model.py",
+                                  "layout/plan.py", "layout/dry_run.py", "data/__init__.py", "data/order.py",
+                                  "data/corpus.py", "data/corpus_blocks.py", "data/prepare.py", "data/tokenizer.py",
+                                  "training/__init__.py", "training/schedule.py", "rank/__init__.py",
+                                  "rank/startup.py", "rank/stop_signal.py", "rank/resume_check.py"])
+def test_engine_modules_the_command_line_may_load_do_not_import_mindspore(name):
     assert not any(n.startswith("mindspore") for n in _imports(ROOT / "engine" / name))
 
 
-@pytest.mark.parametrize("path", _files("engine"), ids=lambda p: p.name)
-def test_engine_imports_no_daemon_module_but_protocol(path):
-    for name in _imports(path):
-        assert not name.startswith("daemon") or name == "daemon.protocol", f"{path.name} imports {name}"
+def test_the_engine_rooms_are_all_there_and_nothing_is_left_in_the_hall():
+    rooms = sorted(p.name for p in (ROOT / "engine").iterdir() if p.is_dir() and (p / "__init__.py").exists())
+    assert rooms == ["data", "interop", "layout", "model", "rank", "training"]
+    assert [p.name for p in (ROOT / "engine").glob("*.py")] == ["__init__.py"]
 
 
 def test_durable_is_stdlib_only():
@@ -74,19 +157,31 @@ def test_durable_is_stdlib_only():
 
 def test_one_atomic_writer_in_the_tree():
     """Every atomic replace goes through durable.write_atomically: one definition site of os.replace."""
-    sites = [p.relative_to(ROOT).as_posix() for pkg in ("daemon", "engine", "checkpointing", "durable")
+    sites = [p.relative_to(ROOT).as_posix() for pkg in PACKAGES
              for p in _files(pkg) if "os.replace(" in p.read_text()]
     assert sites == ["durable/__init__.py"], sites
 
 
-def test_the_supervisor_stays_a_small_loop_and_no_daemon_function_grows_past_60_lines():
+def test_the_supervisor_stays_a_small_loop_and_no_function_grows_past_60_lines():
     # 250 before multi-node; what a run across machines changes lives in daemon/peers.py, the loop keeps its call
     # sites; so for the warm standby (daemon/standby.py), whose four call sites made it 261
     assert len((ROOT / "daemon" / "supervisor.py").read_text().splitlines()) <= 262
-    long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)" for path in _files("daemon")
+    long = [f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for pkg in ("daemon", "engine", "cli", "contracts") for path in _files(pkg)
             for node in ast.walk(ast.parse(path.read_text()))
             if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60]
     assert long == []
+
+
+def test_the_parallel_mode_is_decided_once_where_a_rank_starts_and_handed_down():
+    """engine.layout.parallel.decide is called where a rank sets MindSpore up (runtime) and in the command
+    line's check before anything is spawned (resume_check); everything else takes the decided value."""
+    import re
+
+    calls = re.compile(r"\b(decide|parallel\.mode|mode)\(cfg\)")
+    sites = sorted(p.relative_to(ROOT).as_posix() for p in _files("engine")
+                   if p.name != "parallel.py" and calls.search(p.read_text()))
+    assert sites == ["engine/rank/resume_check.py", "engine/rank/runtime.py"], sites
 
 
 def test_the_policy_decides_on_typed_incidents_not_dicts():
@@ -116,6 +211,7 @@ def test_only_the_generation_module_sends_signals():
     assert senders == ["generation.py"], senders
 
 
-def test_the_soak_is_a_client_no_daemon_module_but_the_cli_imports_it():
-    importers = [p.name for p in _files("daemon") if any(n.split(".")[0] == "chaos" for n in _imports(p))]
-    assert importers == ["cli.py"], importers
+def test_the_soak_is_a_client_only_the_command_line_imports_it():
+    importers = [_module_name(p) for pkg in ("cli", "daemon", "engine") for p in _files(pkg)
+                 if any(n.split(".")[0] == "chaos" for n in _imports(p))]
+    assert importers == ["cli.main"], importers

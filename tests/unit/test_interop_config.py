@@ -3,8 +3,8 @@ from pathlib import Path
 
 import yaml
 
-from engine import hf, import_config, mindformers
-from engine.config import ModelConfig, load_config
+from contracts.config import ModelConfig, load_config
+from engine.interop import hf, import_config, mindformers
 
 DATA = Path(__file__).parent / "data"
 

@@ -3,11 +3,11 @@ import os
 
 import pytest
 
+from contracts.config import load_config
+from contracts.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
 from daemon import cluster
 from daemon.generation import worker_env
-from daemon.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
-from engine import runtime
-from engine.config import load_config
+from engine.rank import runtime
 
 pytestmark = pytest.mark.unit
 

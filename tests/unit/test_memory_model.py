@@ -4,9 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import memory_model as mm
-from engine import plan
-from engine.config import ConfigError, load_config
+from contracts.config import load_config
+from contracts.errors import ConfigError
+from engine.layout import memory_model as mm
+from engine.layout import plan
 
 ROOT = Path(__file__).resolve().parents[2]
 ASCEND = ['train.device="ascend"', 'train.precision="bf16"']
@@ -85,11 +86,13 @@ def test_recompute_saves_more_than_60_percent_of_activation_memory(precision):
     assert 1 - acts("true") / acts("false") > 0.6
 
 
-def test_an_ascend_config_that_cannot_fit_is_refused_in_one_line():
+def test_an_ascend_config_that_cannot_fit_is_refused_in_one_line_by_the_planner_not_the_schema():
+    cfg = load_config(SEVEN_B, ["parallel.device_memory_gib=16"])     # the schema's rules hold: it loads
     with pytest.raises(ConfigError) as info:
-        load_config(SEVEN_B, ["parallel.device_memory_gib=16"])
+        plan.check_fits(cfg)
     message = str(info.value)
     assert "\n" not in message and "parallel.device_memory_gib = 16" in message and "llm-pretrain plan" in message
+    assert plan.check_fits(load_config(SEVEN_B, [])) is not None      # the shipped layout fits
 
 
 @pytest.mark.parametrize("path,devices", [(SEVEN_B, 8), (THIRTEEN_B, 16)])
@@ -128,7 +131,7 @@ def test_a_layout_for_other_devices_or_too_little_memory_says_why():
 
 
 def test_dry_run_plays_the_first_rank_of_each_stage_and_reads_the_memory_pools_peak():
-    from engine import dry_run
+    from engine.layout import dry_run
 
     lay = mm.Layout.of(load_config(THIRTEEN_B, []))
     assert dry_run.stage_ranks(lay) == [0, 8]                   # dp2 x tp4 ranks per stage

@@ -3,10 +3,22 @@ against expectations worked out by hand."""
 import numpy as np
 import pytest
 
-from engine.config import ConfigError, load_config
-from engine.parallel import (DATA_PARALLEL, SEMI_AUTO, auto_parallel_settings, cell_stages, checkpoint_layout,
-                             coordinates, layer_stages, matmul_strategies, micro_batches, mode, op_strategies,
-                             parallel_context, rank_batch, reduction, resume_refusal, row_parallel_out_strategy)
+from contracts.config import load_config
+from contracts.errors import ConfigError
+from engine.layout.parallel import (
+    DATA_PARALLEL,
+    SEMI_AUTO,
+    cell_stages,
+    coordinates,
+    decide,
+    layer_stages,
+    matmul_strategies,
+    micro_batches,
+    mode,
+    op_strategies,
+    resume_refusal,
+    row_parallel_out_strategy,
+)
 
 ASCEND = ['train.device="ascend"', 'train.precision="bf16"']
 # a model every layout below divides: 8 heads, 4 kv heads, 4 layers, vocab 512, global batch 16
@@ -36,18 +48,18 @@ def test_layers_fill_stages_in_contiguous_balanced_blocks(layers, pp, expected):
 
 def test_cpu_is_plain_data_parallel_with_the_steps_own_reduction():
     cfg = load_config(None, ["parallel.dp=2", "train.micro_batch=4"])
-    assert parallel_context(cfg) == {"parallel_mode": "data_parallel", "gradients_mean": True, "device_num": 2}
-    r = reduction(cfg)
+    assert decide(cfg).context == {"parallel_mode": "data_parallel", "gradients_mean": True, "device_num": 2}
+    r = decide(cfg).reduction
     assert (r.hand_all_reduce, r.divide_by, r.pipeline, r.scalars_all_reduce) == (True, 2, False, False)
 
 
 def test_one_rank_reduces_nothing():
-    assert not reduction(load_config(None, [])).hand_all_reduce
+    assert not decide(load_config(None, [])).reduction.hand_all_reduce
 
 
 def test_ascend_dp_only_stays_data_parallel():
     assert mode(DP_ONLY) == DATA_PARALLEL
-    assert reduction(DP_ONLY).hand_all_reduce and reduction(DP_ONLY).divide_by == 4
+    assert decide(DP_ONLY).reduction.hand_all_reduce and decide(DP_ONLY).reduction.divide_by == 4
 
 
 @pytest.mark.parametrize("cfg", [TP_ONLY, PP_ONLY, ALL_THREE, _cfg("parallel.dp=4", "parallel.optimizer_shard=true",
@@ -57,20 +69,20 @@ def test_model_parallel_layouts_leave_the_gradient_reduction_to_the_framework(cf
     # a hand-written world all-reduce on top of semi-auto's mirror operators would double-reduce
     # and sum tensor-parallel shards
     assert mode(cfg) == SEMI_AUTO
-    r = reduction(cfg)
+    r = decide(cfg).reduction
     assert not r.hand_all_reduce and r.divide_by == 1 and r.scalars_all_reduce
     assert r.pipeline == (cfg.parallel.pp > 1)
 
 
 def test_semi_auto_is_configured_on_the_step_with_the_full_batch_and_the_strategy_file():
-    assert parallel_context(ALL_THREE) == {}          # no global context: AutoParallel wraps the step
-    s = auto_parallel_settings(ALL_THREE, strategy_file="/runs/x/strategy/rank_3.ckpt")
+    assert decide(ALL_THREE).context == {}          # no global context: AutoParallel wraps the step
+    s = decide(ALL_THREE).auto_parallel(strategy_file="/runs/x/strategy/rank_3.ckpt")
     assert s["parallel_mode"] == "semi_auto" and s["dataset_strategy"] == "full_batch"
     assert s["pipeline"] == {"stages": 2, "scheduler": "1f1b"} and s["hsdp"] == {"optimizer_level": "level1"}
     assert s["save_param_strategy_file"] == "/runs/x/strategy/rank_3.ckpt"
-    tp = auto_parallel_settings(TP_ONLY)
+    tp = decide(TP_ONLY).auto_parallel()
     assert tp["pipeline"] is None and tp["hsdp"] is None
-    assert auto_parallel_settings(DP_ONLY) == {}
+    assert decide(DP_ONLY).auto_parallel() == {}
 
 
 def test_micro_batches_through_the_framework_include_the_accumulation_steps():
@@ -89,8 +101,8 @@ def test_ranks_are_stage_major_then_dp_then_tp():
 
 def test_data_parallel_ranks_feed_their_own_contiguous_slice():
     indices = np.arange(16)
-    assert rank_batch(indices, 1, DP_ONLY).tolist() == [[4, 5], [6, 7]]
-    assert rank_batch(indices, 3, DP_ONLY).tolist() == [[12, 13], [14, 15]]
+    assert decide(DP_ONLY).rank_batch(indices, 1).tolist() == [[4, 5], [6, 7]]
+    assert decide(DP_ONLY).rank_batch(indices, 3).tolist() == [[12, 13], [14, 15]]
 
 
 def test_full_batch_ranks_all_feed_each_micro_step_as_every_dp_rank_would_see_it():
@@ -99,8 +111,8 @@ def test_full_batch_ranks_all_feed_each_micro_step_as_every_dp_rank_would_see_it
     # [12..15]; fed whole, micro-step 0 is [0..3 | 8..11], which the batch split gives back to dp 0 and dp 1
     expected = [[0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15]]
     for rank in range(8):
-        assert rank_batch(indices, rank, ALL_THREE).tolist() == expected
-    assert rank_batch(indices, 2, TP_ONLY).tolist() == indices.reshape(4, 4).tolist()
+        assert decide(ALL_THREE).rank_batch(indices, rank).tolist() == expected
+    assert decide(TP_ONLY).rank_batch(indices, 2).tolist() == indices.reshape(4, 4).tolist()
 
 
 @pytest.mark.parametrize("cfg", [DP_ONLY, TP_ONLY, PP_ONLY, ALL_THREE], ids=["dp", "tp", "pp", "all"])
@@ -108,7 +120,7 @@ def test_a_steps_samples_do_not_depend_on_the_layout(cfg):
     indices = np.random.default_rng(0).permutation(1000)[:16]
     fed = set()
     for rank in range(cfg.parallel.world_size):
-        fed |= set(rank_batch(indices, rank, cfg).ravel().tolist())
+        fed |= set(decide(cfg).rank_batch(indices, rank).ravel().tolist())
     assert fed == set(indices.tolist())
 
 
@@ -160,21 +172,21 @@ def test_shipped_ascend_configs_map_to_semi_auto_with_consistent_feeds(path):
 
     cfg = load_config(Path(__file__).resolve().parents[2] / path, [])
     p = cfg.parallel
-    assert mode(cfg) == SEMI_AUTO and not reduction(cfg).hand_all_reduce
-    fed = rank_batch(np.arange(cfg.train.global_batch), 0, cfg)
+    assert mode(cfg) == SEMI_AUTO and not decide(cfg).reduction.hand_all_reduce
+    fed = decide(cfg).rank_batch(np.arange(cfg.train.global_batch), 0)
     assert fed.shape == (cfg.train.grad_accum_steps, p.dp * cfg.train.micro_batch)
     assert max(cell_stages(cfg).values()) == p.pp - 1
 
 
 def test_whole_tensor_checkpoints_resume_onto_any_layout_and_slices_only_onto_their_own():
-    whole = checkpoint_layout(DP_ONLY)
+    whole = decide(DP_ONLY).checkpoint_layout
     assert not whole["sliced"]
     for cfg in (TP_ONLY, PP_ONLY, ALL_THREE):
-        assert resume_refusal(whole, cfg) is None
-        assert resume_refusal(None, cfg) is None                      # saved before layouts were recorded
-    sliced = checkpoint_layout(ALL_THREE)
-    assert sliced["sliced"] and resume_refusal(sliced, ALL_THREE) is None
-    message = resume_refusal(sliced, TP_ONLY)
+        assert resume_refusal(whole, decide(cfg)) is None
+        assert resume_refusal(None, decide(cfg)) is None                      # saved before layouts were recorded
+    sliced = decide(ALL_THREE).checkpoint_layout
+    assert sliced["sliced"] and resume_refusal(sliced, decide(ALL_THREE)) is None
+    message = resume_refusal(sliced, decide(TP_ONLY))
     assert "dp2 x tp2 x pp2 +sp +optimizer_shard" in message and "dp1 x tp4 x pp1" in message
     assert "transform_checkpoints" in message and "\n" not in message
-    assert resume_refusal(sliced, DP_ONLY) is not None
+    assert resume_refusal(sliced, decide(DP_ONLY)) is not None

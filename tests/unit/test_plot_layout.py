@@ -2,9 +2,9 @@
 again, incident labels, the folded list and the numbered markers. No matplotlib, no processes."""
 import pytest
 
+from cli.plot import Marker, incident_label, listing, place_markers, steps_for_samples, superseded_steps
+from contracts.protocol import LrOverride
 from daemon.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
-from daemon.plot import Marker, incident_label, listing, place_markers, steps_for_samples, superseded_steps
-from daemon.protocol import LrOverride
 
 pytestmark = pytest.mark.unit
 

@@ -1,10 +1,10 @@
 """The recovery policy, table-driven: (incident, history, config) -> action."""
 import pytest
 
+from contracts.config import load_config, with_changes
 from daemon import policy
 from daemon.incidents import Halt, Incident, Kind, Restart, Rollback
 from daemon.policy import RunHistory, is_healthy, newest_healthy
-from engine.config import load_config, with_changes
 
 CFG = load_config(None)           # margin 10, cut 0.5, hold 200, ramp 200, floor 1/16, window 1000
 FP16 = load_config(None, ['train.precision="fp16"'])
@@ -144,7 +144,7 @@ def test_corrupt_data_resumes_from_the_newest_checkpoint_with_the_blocks_quarant
 
 
 def test_quarantine_accumulates_in_the_directive_and_the_lr_in_force_stays():
-    from daemon.protocol import LrOverride, Recovery
+    from contracts.protocol import LrOverride, Recovery
 
     cut = (LrOverride(start_step=51, factor=0.5, hold_steps=200, ramp_steps=200),)
     before = Recovery(checkpoint_step=50, skip_ranges=((8, 16),), lr_overrides=cut, quarantined_blocks=(("a", 1),))

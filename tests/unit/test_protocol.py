@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from daemon.protocol import FINAL_EXIT_CODES, ExitCode, ExitEvent, StepEvent, decode_event, send_datagram
+from contracts.protocol import FINAL_EXIT_CODES, ExitCode, ExitEvent, StepEvent, decode_event, send_datagram
 
 
 def test_exit_codes_match_the_design_registry():

@@ -6,13 +6,14 @@ import os
 import pytest
 
 from checkpointing import layout
+from contracts.config import config_from_dict, load_config, to_toml, with_changes
+from contracts.errors import ConfigError
+from contracts.protocol import LrOverride, Recovery
 from daemon import control, memcg, policy
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
 from daemon.policy import RunHistory, merge_recovery
-from daemon.protocol import LrOverride, Recovery
-from engine.config import ConfigError, config_from_dict, load_config, to_toml, with_changes
-from engine.drills import Drills
+from engine.rank.drills import Drills
 from tests.unit.steps import step_event
 
 CFG = load_config(None)
@@ -183,8 +184,9 @@ def test_a_recurrence_after_a_rollback_counts_even_if_it_starts_earlier():
 
 
 def test_incident_events_are_strict_json_even_with_non_finite_evidence(tmp_path):
-    from daemon.eventlog import EventLog
     import io
+
+    from daemon.eventlog import EventLog
 
     out = io.StringIO()
     log = EventLog(tmp_path / "events.jsonl", "r", stream=out)
@@ -224,7 +226,7 @@ def test_the_control_directory_watcher_flags_a_new_request(tmp_path):
 
 
 def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
-    from daemon import status_cli
+    from cli import status as status_cli
     from daemon.state import RunState
 
     state = RunState(status="running", generation=2, restarts=1, daemon_pid=os.getpid(), total_steps=1000,

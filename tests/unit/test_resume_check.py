@@ -5,9 +5,10 @@ import json
 import pytest
 
 from checkpointing.writer import FORMAT, VERSION
-from engine.config import ConfigError, config_hash, load_config, trajectory_dict
-from engine.resume_check import check_resume
-from engine.schedule import base_lr_at
+from contracts.config import config_hash, load_config, trajectory_dict
+from contracts.errors import ConfigError
+from engine.rank.resume_check import check_resume
+from engine.training.schedule import base_lr_at
 
 
 def _checkpoint(root, cfg, step=200):

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from engine.schedule import LrOverride, base_lr_at, lr_at
+from engine.training.schedule import LrOverride, base_lr_at, lr_at
 
 SCHED = dict(lr=1.0, min_lr=0.1, warmup_steps=10, cosine_steps=100)
 

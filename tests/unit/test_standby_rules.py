@@ -1,9 +1,9 @@
 """When a warm standby is kept, and when one is not used (daemon/standby.py); no processes."""
 import pytest
 
-from daemon.protocol import activation_line, await_activation
+from contracts.config import load_config, with_changes
+from contracts.protocol import activation_line, await_activation
 from daemon.standby import Standby, wanted
-from engine.config import load_config, with_changes
 
 CFG = load_config(None, ['parallel.dp=2', 'train.micro_batch=4'])
 
@@ -48,7 +48,7 @@ def test_a_standby_whose_cluster_never_formed_is_not_used():
 
 
 def test_the_ram_tier_and_a_memory_limit_do_not_go_together():
-    from engine.config import ConfigError
+    from contracts.errors import ConfigError
 
     with pytest.raises(ConfigError, match="tmpfs pages count against the ranks' memory limit"):
         load_config(None, ["checkpoint.memory_interval_steps=5", "run.worker_memory_limit_bytes=1000000000"])

@@ -6,15 +6,16 @@ import math
 
 import pytest
 
-from daemon import cli, rebuild
+from cli import main as cli_main
+from contracts.errors import DataError
+from contracts.protocol import ExitCode, LrOverride, Recovery
+from daemon import rebuild
 from daemon.eventlog import EventLog
 from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
 from daemon.ledger import Ledger
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
-from daemon.protocol import ExitCode, LrOverride, Recovery
 from daemon.state import STATE_FILE, RunState, StateCorruptError, set_aside
-from engine.config import DataError
 
 TS = "2025-01-02T03:04:05.250Z"
 UNIX_S = 1735787045.25
@@ -228,7 +229,7 @@ def test_setting_aside_never_overwrites_an_earlier_corrupt_file(tmp_path):
 
 def test_status_on_a_corrupt_file_is_one_line_and_65(tmp_path, capsys):
     (tmp_path / STATE_FILE).write_bytes(b"\x00garbage")
-    assert cli.main(["status", str(tmp_path)]) == ExitCode.DATA_ERROR == 65
+    assert cli_main.main(["status", str(tmp_path)]) == ExitCode.DATA_ERROR == 65
     captured = capsys.readouterr()
     (line,) = captured.err.strip().splitlines()
     assert line.startswith("llm-pretrain: data error: ") and "state.json is corrupt" in line
@@ -240,7 +241,7 @@ def test_logs_on_a_corrupt_file_still_reads_the_log(tmp_path, capsys):
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "events.jsonl").write_text(json.dumps(EVENTS[0]) + "\n")
     (tmp_path / STATE_FILE).write_text("[]")
-    assert cli.main(["logs", str(tmp_path), "--json"]) == ExitCode.OK
+    assert cli_main.main(["logs", str(tmp_path), "--json"]) == ExitCode.OK
     captured = capsys.readouterr()
     assert json.loads(captured.out) == EVENTS[0] and "state.json is corrupt" in captured.err
 

@@ -3,8 +3,8 @@ in force, and a loud warning when the daemon is dead but processes of its run ar
 import json
 import os
 
+from cli.status import render, summary
 from daemon.generation import start_ticks
-from daemon.status_cli import render, summary
 
 DEAD_PID = 2 ** 22 + 12345          # above pid_max's default: never a live process
 
@@ -65,7 +65,7 @@ def test_an_incident_a_drill_caused_is_labelled_as_a_drill(tmp_path):
 def test_logs_filter_by_rank_keeps_only_that_rank_s_events(tmp_path):
     import io
 
-    from daemon.status_cli import logs
+    from cli.status import logs
 
     path = tmp_path / "events.jsonl"
     records = [{"event": "crash", "level": "error", "rank": 1}, {"event": "crash", "level": "error", "rank": 0},

@@ -4,10 +4,10 @@ import random
 
 import pytest
 
+from contracts.config import load_config
+from contracts.protocol import StepEvent
 from daemon.incidents import Kind
-from daemon.protocol import StepEvent
 from daemon.straggler import StragglerDetector
-from engine.config import load_config
 
 
 def cfg(*sets):
@@ -73,7 +73,7 @@ def test_one_rank_has_no_stragglers():
 
 
 def test_the_config_is_checked():
-    from engine.config import ConfigError
+    from contracts.errors import ConfigError
 
     with pytest.raises(ConfigError, match="straggler_action"):
         cfg('health.straggler_action="exclude"')

@@ -3,14 +3,30 @@ import signal
 
 import pytest
 
+from contracts.config import load_config
+from contracts.protocol import CheckpointEvent, ExitEvent, PhaseEvent
 from daemon import watch
 from daemon.control import Request
 from daemon.health import HealthMonitor
 from daemon.incidents import Kind
-from daemon.protocol import CheckpointEvent, ExitEvent, PhaseEvent
-from daemon.watch import (Committed, DumpStacks, Failed, Finished, IllegalTransitionError, Note, Pause, Progress,
-                          Released, Send, Status, Stopped, Warned, Watch, WorkerFailed, idle_control)
-from engine.config import load_config
+from daemon.watch import (
+    Committed,
+    DumpStacks,
+    Failed,
+    Finished,
+    IllegalTransitionError,
+    Note,
+    Pause,
+    Progress,
+    Released,
+    Send,
+    Status,
+    Stopped,
+    Warned,
+    Watch,
+    WorkerFailed,
+    idle_control,
+)
 from tests.unit.steps import step_event
 
 # start 5 s, compile 20 s, training floor 3 s (or 10 x p99), checkpoint 30 s; stop timeout 8 s; release after 60 s
@@ -298,7 +314,7 @@ def test_teardown_grace_depends_on_how_the_generation_ended(kind, grace):
 
 
 def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
-    from daemon.protocol import CheckpointEvent
+    from contracts.protocol import CheckpointEvent
 
     w = make()
     ckpt = lambda step, stage, rank=0: w.on_event(CheckpointEvent(rank=rank, generation=1, step=step, stage=stage), 1.0)
@@ -318,7 +334,7 @@ def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
 
 
 def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exits_65():
-    from daemon.protocol import DataFaultEvent
+    from contracts.protocol import DataFaultEvent
 
     w = make()
     t = steps(w, 1, 20, 1.0)
@@ -334,7 +350,7 @@ def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exi
 
 
 def test_a_straggler_is_warned_about_and_ends_the_generation_only_when_set_to_restart():
-    from daemon.protocol import StepEvent
+    from contracts.protocol import StepEvent
     from daemon.watch import Warned
 
     def slow_rank_1(w, last):

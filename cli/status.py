@@ -1,0 +1,268 @@
+"""`llm-pretrain status RUN` and `llm-pretrain logs RUN`: what an operator reads.
+
+status: one table (or --json) from state.json, the checkpoint directory and
+the daemon's lock — state, step, loss, tokens/s, ETA, generation, restarts,
+last incident and its action, last checkpoint. logs: events.jsonl pretty-
+printed, filtered by level, event and rank, optionally followed across
+rotations. Reads only; never needs the daemon to answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, TextIO
+
+from checkpointing import layout
+from daemon.state import RunState
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _daemon_alive(state: RunState) -> bool:
+    if not state.daemon_pid:
+        return False
+    try:
+        os.kill(state.daemon_pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _unsupervised(state: RunState) -> list[int]:
+    """Recorded processes of the run still alive (same pid and start time) although its daemon is not."""
+    from daemon.generation import is_running
+
+    return [p["pid"] for p in state.processes if is_running(p)]
+
+
+def _eta_s(state: RunState, alive: bool) -> float | None:
+    """The mean time of the last steps (never a compiling first step) times the steps left."""
+    p = state.last_progress or {}
+    mean = p.get("mean_step_s")
+    if not alive or state.status != "running" or not mean or not state.total_steps or p.get("step") is None:
+        return None
+    return max(0, state.total_steps - p["step"]) * mean
+
+
+def _in_force(state: RunState) -> dict[str, Any] | None:
+    """What recovery changed for the steps to come: lr cuts, the loss-scale cap, skipped and quarantined data."""
+    r = state.recovery
+    if r is None:
+        return None
+    out = {"lr_overrides": [o.to_dict() for o in r.lr_overrides], "skip_ranges": len(r.skip_ranges),
+           "quarantined_blocks": len(r.quarantined_blocks)}
+    if r.loss_scale_cap is not None:
+        out["loss_scale_cap"] = {"scale": r.loss_scale_cap, "until_step": r.loss_scale_cap_until_step}
+    return out
+
+
+def node_dirs(run_dir: Path) -> list[Path]:
+    """A multi-node run's per-node directories (state, lock, control), node 0 first; [] on one machine."""
+    nodes = run_dir / "nodes"
+    if not nodes.is_dir() or (run_dir / "state.json").exists():
+        return []
+    found = [p for p in nodes.glob("node-*") if p.name[5:].isdigit() and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
+    """The run as its state says; for a multi-node run, node 0's view (it decides) and every node's."""
+    dirs = node_dirs(run_dir)
+    if not dirs:
+        return _summary(run_dir, run_dir, now)
+    live = _live_nodes(run_dir)
+    out = _summary(dirs[0], run_dir, now, alive=None if live is None else 0 in live)
+    out["nodes"] = []
+    for d in dirs:
+        n, st = int(d.name[5:]), RunState.load(d)
+        daemon = None if live is None else live.get(n)
+        out["nodes"].append({"node": n, "status": st.status, "generation": st.generation,
+                             "step": (st.last_progress or {}).get("step"),
+                             "daemon": daemon, "lease": None if live is None else daemon is not None})
+    out["coordinator"] = "unreachable" if live is None else "ok"
+    return out
+
+
+def _live_nodes(run_dir: Path) -> dict[int, str] | None:
+    """node → "host pid N" of every node whose daemon holds its etcd lease (from the run's resolved
+    config: its coordinator and key prefix); None when that cannot be read or etcd does not answer."""
+    from contracts.config import load_config
+    from contracts.errors import ConfigError
+    from daemon.etcd import Etcd, EtcdError
+
+    try:
+        cfg = load_config(run_dir / "config.resolved.toml", [])
+        kvs, _ = Etcd.from_url(cfg.run.coordinator, timeout_s=1.0).get_prefix(cfg.run.key_prefix + "nodes/")
+    except (ConfigError, EtcdError, OSError, ValueError):
+        return None
+    out = {}
+    for kv in kvs:
+        try:
+            v = json.loads(kv.value)
+            out[int(v["node"])] = f"{v.get('host', '?')} pid {v.get('pid', '?')}"
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bool | None = None) -> dict[str, Any]:
+    now = time.time() if now is None else now
+    state = RunState.load(state_dir)
+    alive = _daemon_alive(state) if alive is None else alive
+    status = state.status if alive or state.status not in ("running", "restarting", "paused", "pausing") else \
+        f"{state.status} (daemon not running)"
+    p = state.last_progress or {}
+    eta_s = _eta_s(state, alive)
+    steps = layout.committed_steps(run_dir / "checkpoints")
+    last_ckpt = None
+    if steps:
+        path = layout.step_dir(run_dir / "checkpoints", steps[-1])
+        last_ckpt = {"step": steps[-1], "age_s": round(now - path.stat().st_mtime, 1)}
+    incident = state.incidents[-1] if state.incidents else None
+    return {"run_dir": str(run_dir), "status": status, "daemon_pid": state.daemon_pid if alive else None,
+            "step": p.get("step"), "total_steps": state.total_steps or None, "loss": p.get("loss"),
+            "tokens_per_s": p.get("tokens_per_s"), "eta_s": eta_s,
+            "progress_age_s": round(now - p["unix_s"], 1) if p.get("unix_s") else None,
+            "generation": state.generation, "restarts": state.restarts,
+            "last_incident": None if incident is None else {
+                "kind": incident.kind.value, "first_step": incident.incident.first_step,
+                "action": incident.action.to_dict()["type"] if incident.action else None,
+                "reason": incident.action.reason if incident.action else incident.incident.detail,
+                "drill": "drill" in incident.incident.evidence},
+            "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
+            "config_changes": state.config_changes or None,
+            "last_request": None if not state.last_control else {
+                "name": state.last_control["name"], "age_s": round(now - state.last_control["unix_s"], 1),
+                "reason": state.last_control.get("reason")},
+            "checkpoints_failing_since_step": state.checkpoints_failing_since,
+            "recovery": state.recovery.to_dict() if state.recovery else None,
+            "in_force": _in_force(state),
+            "elapsed_s": round(now - state.started_unix_s, 1) if state.started_unix_s else None,
+            "mean_step_s": p.get("mean_step_s"),
+            "unsupervised_pids": [] if alive else _unsupervised(state)}
+
+
+def _duration(seconds: float | None) -> str:
+    from daemon.console import duration
+
+    return duration(seconds)
+
+
+def render(s: dict[str, Any]) -> str:
+    step = "-" if s["step"] is None else f"{s['step']}" + (f" / {s['total_steps']}" if s["total_steps"] else "")
+    if s["progress_age_s"] is not None:
+        step += f"  ({_duration(s['progress_age_s'])} ago)"
+    inc = s["last_incident"]
+    ckpt = s["last_checkpoint"]
+    rows = [("run", s["run_dir"]),
+            ("state", s["status"] + (f" (pid {s['daemon_pid']})" if s["daemon_pid"] else "")),
+            ("step", step),
+            ("loss", "-" if s["loss"] is None else f"{s['loss']:.4f}"),
+            ("tokens/s", "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"),
+            ("ETA", "paused" if s["status"] == "paused" else _duration(s["eta_s"])
+             + (f"  ({s['mean_step_s']:.3f} s/step, recent mean)" if s["eta_s"] is not None else "")),
+            ("elapsed", _duration(s["elapsed_s"])),
+            ("generation", str(s["generation"])),
+            ("restarts", str(s["restarts"])),
+            ("last incident", "none" if inc is None else
+             f"{inc['kind']}{' (drill)' if inc.get('drill') else ''} at step {inc['first_step']} -> "
+             f"{inc['action'] or 'warning'}: {inc['reason'] or ''}"),
+            ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
+    req = s["last_request"]
+    if req:
+        rows.append(("last request", f"{req['name']} ({_duration(req['age_s'])} ago)" +
+                     (f": {req['reason']}" if req["reason"] else "")))
+    if s["checkpoints_failing_since_step"] is not None:
+        rows.append(("checkpoints", f"FAILING since step {s['checkpoints_failing_since_step']} (see checkpoint_failed "
+                                    "events: a full or read-only disk?)"))
+    if s["config_changes"]:
+        rows.append(("config changes", ", ".join(f"{k}={v}" for k, v in s["config_changes"].items())))
+    rows += _in_force_rows(s["in_force"])
+    if s["unsupervised_pids"]:
+        rows.append(("WARNING", f"the daemon is not running but processes of this run are: pids "
+                                f"{', '.join(map(str, s['unsupervised_pids']))} (start the daemon: it reaps them)"))
+    for n in s.get("nodes") or []:
+        lease = {None: "", True: f", daemon {n['daemon']}", False: ", daemon LOST (no etcd lease)"}[n["lease"]]
+        rows.append((f"node {n['node']}", f"{n['status']}, generation {n['generation']}, step "
+                                          f"{'-' if n['step'] is None else n['step']}{lease}"))
+    if s.get("coordinator") == "unreachable":
+        rows.append(("coordinator", "etcd unreachable (node liveness unknown)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _in_force_rows(f: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not f:
+        return []
+    rows = [("lr override", f"x{o['factor']:g} from step {o['start_step']}, held {o['hold_steps']}, ramped back over "
+                            f"{o['ramp_steps']}") for o in f["lr_overrides"]]
+    if f.get("loss_scale_cap"):
+        rows.append(("loss scale cap", f"{f['loss_scale_cap']['scale']:g} until step {f['loss_scale_cap']['until_step']}"))
+    if f["skip_ranges"] or f["quarantined_blocks"]:
+        rows.append(("data", f"{f['skip_ranges']} skipped sample window(s), {f['quarantined_blocks']} quarantined "
+                             "corpus block(s)"))
+    return rows
+
+
+# logs ---------------------------------------------------------------------
+def _matches(record: dict, *, level: str | None, events: list[str], rank: int | None) -> bool:
+    if level and LEVELS.index(record.get("level", "info")) < LEVELS.index(level):
+        return False
+    if events and record.get("event") not in events:
+        return False
+    return rank is None or record.get("rank") == rank
+
+
+def pretty(record: dict) -> str:
+    """One line: floats rounded, long values (evidence) folded; `--json` gives the record whole."""
+    from daemon.console import human
+
+    return human(record, full_time=True)
+
+
+def _lines(path: Path, follow: bool, poll_s: float = 0.25) -> Iterator[str]:
+    """Lines of events.jsonl (rotated files first, oldest first), then — following — new ones, across
+    rotations (a new inode or a smaller file means the file was rotated)."""
+    for i in range(1000, 0, -1):
+        rotated = path.with_name(f"{path.name}.{i}")
+        if rotated.exists() and not follow:
+            yield from rotated.read_text().splitlines()
+    f = open(path)
+    inode = os.fstat(f.fileno()).st_ino
+    partial = ""
+    while True:
+        chunk = f.read()
+        if chunk:
+            *complete, partial = (partial + chunk).split("\n")
+            yield from complete
+            continue
+        if not follow:
+            if partial:
+                yield partial
+            return
+        time.sleep(poll_s)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if st.st_ino != inode or st.st_size < f.tell():
+            f.close()
+            f = open(path)
+            inode = os.fstat(f.fileno()).st_ino
+
+
+def logs(log_path: Path, *, follow: bool, level: str | None, events: list[str], rank: int | None,
+         as_json: bool, out: TextIO | None = None) -> None:
+    out = out or sys.stdout           # looked up now: bound at import it would outlive a replaced stdout
+    for line in _lines(log_path, follow):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if _matches(record, level=level, events=events, rank=rank):
+            print(line if as_json else pretty(record), file=out, flush=True)

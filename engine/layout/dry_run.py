@@ -1,0 +1,100 @@
+"""`llm-pretrain plan --dry-run`: MindSpore's own simulation compile of each pipeline stage.
+
+Owns: finding the Ascend toolkit, the command and environment of one simulated
+rank per pipeline stage, reading the compiler's peak memory from its log, and
+the lines printed next to the estimate. It runs MindSpore's dry run the way
+MindFormers' tooling does: no devices and no cluster, one process per stage,
+each told which rank it plays (`MS_SIMULATION_LEVEL=1`, `RANK_SIZE` = the
+layout's devices, `RANK_ID` = the stage's first rank); each compiles the real
+step for the real layout and reports the memory its graph would allocate. The
+rank trains one simulated step and saves nothing (engine/rank/trainer.py).
+
+Where the toolkit is missing it says so plainly (exit 69) — MindSpore refuses a
+distributed dry run on the CPU backend.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+from contracts.config import Config
+from engine.layout.memory_model import GIB, Layout, estimate
+
+TOOLKIT_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
+TOOLKIT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
+SIMULATION_LEVEL = "1"          # compile, infer shapes and allocate (in simulation): memory is known
+# the memory pool's summary: "Actual peak memory usage (with fragments): 48874M" (MindFormers' dry-run guide;
+# "Used peak memory usage (without fragments)" beside it), or the pool's "actual peak used mem: 1300M"
+_PEAK = re.compile(r"actual peak (?:used )?mem(?:ory)?(?: usage)?(?: \([^)]*\))?\s*:\s*([\d.]+)\s*([KMGT]?)B?",
+                   re.IGNORECASE)
+_UNITS = {"": 1, "K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}
+
+
+class DryRunUnavailableError(RuntimeError):
+    """The dry run needs the Ascend toolkit (and MindSpore's Ascend build); exit 69."""
+
+
+def toolkit_home(env: Mapping[str, str] = os.environ) -> Path | None:
+    for key in TOOLKIT_ENV:
+        if env.get(key) and Path(env[key]).is_dir():
+            return Path(env[key])
+    for candidate in TOOLKIT_DIRS:
+        if Path(candidate).is_dir():
+            return Path(candidate)
+    return None
+
+
+def stage_ranks(layout: Layout) -> list[int]:
+    """The rank that plays each pipeline stage: its first (stage-major rank order, engine.layout.parallel)."""
+    return [stage * layout.dp * layout.tp for stage in range(layout.pp)]
+
+
+def peak_bytes(log: str) -> int | None:
+    """The largest "actual peak" the memory pool reported, in bytes (None if it reported none)."""
+    found = [float(value) * _UNITS[unit.upper()] for value, unit in _PEAK.findall(log)]
+    return int(max(found)) if found else None
+
+
+def stage_command(config: str | None, overrides: list[str], workdir: Path) -> list[str]:
+    argv = [sys.executable, "-m", "cli", "train", "--log-format", "json"]
+    if config:
+        argv += ["--config", config]
+    for item in [*overrides, f"run.dir={str(workdir)!r}", 'data.source="synthetic"', "checkpoint.interval_steps=0"]:
+        argv += ["--set", item]
+    return argv
+
+
+def stage_env(layout: Layout, rank: int, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if not k.startswith("MS_ROLE")}
+    env.update({"MS_SIMULATION_LEVEL": SIMULATION_LEVEL, "RANK_SIZE": str(layout.devices), "RANK_ID": str(rank),
+                "GLOG_v": "1", "GLOG_logtostderr": "1"})
+    return env
+
+
+def run(config: str | None, overrides: list[str], cfg: Config, layout: Layout, *, timeout_s: float = 3600.0) -> None:
+    """Compiles each stage in simulation and prints its peak beside the estimate."""
+    home = toolkit_home()
+    if home is None:
+        raise DryRunUnavailableError(
+            "plan --dry-run needs the Ascend toolkit (CANN) and MindSpore's Ascend build on this host (looked at "
+            f"${', $'.join(TOOLKIT_ENV)} and {', '.join(TOOLKIT_DIRS)}); the estimate above needs neither")
+    estimated = estimate(cfg, layout, runtime=True)
+    print(f"\ndry run: MindSpore's simulation compile (MS_SIMULATION_LEVEL={SIMULATION_LEVEL}, toolkit {home}), "
+          f"one process per pipeline stage")
+    for stage, rank in enumerate(stage_ranks(layout)):
+        with tempfile.TemporaryDirectory(prefix="llm-pretrain-dryrun-") as tmp:
+            done = subprocess.run(stage_command(config, overrides, Path(tmp)), env=stage_env(layout, rank),
+                                  capture_output=True, text=True, timeout=timeout_s)
+        peak = peak_bytes(done.stdout + done.stderr)
+        mine = estimated[stage].total
+        if peak is None:
+            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            print(f"  stage {stage} (rank {rank}): no peak memory reported (exit {done.returncode}): {tail}")
+            continue
+        print(f"  stage {stage} (rank {rank}): compiler {peak / GIB:.2f} GiB, estimate {mine / GIB:.2f} GiB "
+              f"({(mine - peak) / peak:+.0%})")

@@ -1,0 +1,228 @@
+"""Per-device training memory of a layout, estimated from the model's shapes.
+
+Owns: the byte count of what each device holds during a step, per pipeline
+stage — parameters, gradients, gradient-accumulation buffers, optimizer
+states, compute-dtype copies of the weights, activations, communication
+buffers and the runtime's reserve — for `llm-pretrain plan` and for the check
+that refuses an Ascend config which cannot fit. Pure: no MindSpore.
+
+What is counted follows this project's model and step (engine/model/causal_lm.py,
+engine/training/step.py, engine/training/optim.py), not a generic transformer:
+- parameters are fp32, gradients fp32 (taken with respect to the fp32
+  parameters), accumulation buffers fp32 (the step's with grad_accum_steps > 1,
+  MindSpore's pipeline accumulator with pp > 1), AdamW's two moments fp32, plus
+  the 4-byte step count and the loss scaler's three scalars;
+- under tensor parallelism q/k/v/gate/up are split by output rows, o/down by
+  input columns, the embedding and the head by vocabulary rows; norms (and
+  GPT-2's row-parallel biases) are replicated;
+- optimizer sharding (MindSpore's parallel optimizer) splits the fp32 weights,
+  their moments and accumulation buffers across dp; gradients are reduce-
+  scattered, but the full gradient exists while it is produced and is counted;
+- compute-dtype (fp16/bf16) casts of the weights are kept for the backward pass
+  of the layers that do not recompute (and of one layer being rebuilt);
+- activations are the tensors autodiff keeps for the backward pass, listed
+  per op (`layer_activation_bytes`), per micro-batch in flight: a 1F1B
+  pipeline's stage k holds min(pp - k, pipeline_microbatches) of them.
+  A recomputed layer keeps only its input, and the backward pass rebuilds one
+  layer at a time.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from contracts.config import Config, ModelConfig
+from engine.layout.parallel import layer_stages
+
+GIB = 1024 ** 3
+COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+STEP_SCALARS_BYTES = 4 + 3 * 4         # adam_step (int32) + loss_scale, loss_scale_good_steps, loss_scale_cap
+RUNTIME_RESERVE_BYTES = 2 * GIB        # the Ascend runtime's own: HCCL buffers, kernels, workspace (not on CPU)
+DP_BUCKET_BYTES = 64 * 1024 ** 2       # one fused gradient all-reduce bucket in flight
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The parallel shape of a run and its batch geometry (what `plan` varies)."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    optimizer_shard: bool = False
+    micro_batch: int = 1             # sequences per rank per forward/backward (split further by the pipeline)
+    pipeline_microbatches: int = 1
+    grad_accum_steps: int = 1
+    recompute_layers: int = 0        # decoder layers, from the first, that recompute
+
+    @classmethod
+    def of(cls, cfg: Config) -> "Layout":
+        p, t = cfg.parallel, cfg.train
+        return cls(dp=p.dp, tp=p.tp, pp=p.pp, sp=p.sp, optimizer_shard=p.optimizer_shard,
+                   micro_batch=t.micro_batch, pipeline_microbatches=p.pipeline_microbatches,
+                   grad_accum_steps=t.grad_accum_steps, recompute_layers=cfg.recompute_layers)
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def describe(self) -> str:
+        extras = ["sp" if self.sp else "", "opt-shard" if self.optimizer_shard else ""]
+        return " ".join(x for x in [f"dp{self.dp} tp{self.tp} pp{self.pp}", *extras] if x)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one device of a pipeline stage (every device of a stage holds the same)."""
+
+    stage: int
+    layers: int
+    params: int
+    grads: int
+    grad_accum: int
+    optimizer: int
+    weight_copies: int    # compute-dtype casts of the weights that the backward pass keeps (fp16/bf16)
+    activations: int
+    comm_buffers: int
+    runtime: int
+
+    PARTS = ("params", "grads", "grad_accum", "optimizer", "weight_copies", "activations", "comm_buffers",
+             "runtime")
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, k) for k in self.PARTS)
+
+
+# Parameters ------------------------------------------------------------------
+def layer_param_counts(m: ModelConfig, tp: int = 1) -> tuple[int, int]:
+    """(elements split across tp, elements replicated) of one decoder layer, per device."""
+    h, f, d = m.hidden_size, m.intermediate_size, m.head_dim
+    q, kv = m.num_heads * d, m.num_kv_heads * d
+    split = h * q + 2 * h * kv + q * h + (3 if m.arch == "llama" else 2) * h * f
+    if m.arch == "llama":
+        replicated = 2 * h                              # two RMSNorm weights
+    else:
+        split += q + 2 * kv + f                         # column-parallel biases (q, k, v, up)
+        replicated = 4 * h + 2 * h                      # two LayerNorms (weight, bias), o and down biases
+    return split // tp, replicated
+
+
+def stage_param_count(m: ModelConfig, *, tp: int, pp: int, stage: int, layers: int) -> int:
+    """Parameter elements one device of `stage` holds: its layers, plus the embedding on the first
+    stage and the final norm and head on the last (a tied embedding is held by both)."""
+    split, replicated = layer_param_counts(m, tp)
+    count = layers * (split + replicated)
+    embed = m.vocab_size * m.hidden_size // tp
+    norm = m.hidden_size * (1 if m.arch == "llama" else 2)
+    if stage == 0:
+        count += embed + (m.max_seq_len * m.hidden_size if m.arch == "gpt2" else 0)
+    if stage == pp - 1:
+        count += norm
+        if not m.tie_embeddings or pp > 1:
+            count += embed
+    return count
+
+
+def total_param_count(m: ModelConfig) -> int:
+    return stage_param_count(m, tp=1, pp=1, stage=0, layers=m.num_layers)
+
+
+# Activations -----------------------------------------------------------------
+def layer_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_bytes: int, tp: int = 1,
+                           sp: bool = False) -> int:
+    """Bytes one decoder layer keeps for its backward pass, for `batch` sequences of `seq` tokens.
+
+    Tensor-parallel regions (attention heads, the MLP's inner width) divide by tp; the norms'
+    and residuals' regions divide by tp only under sequence parallelism. Casts to the compute
+    dtype are free in fp32 (no copy) and keep a compute-dtype copy otherwise."""
+    s, b, h, f, c = seq, batch, m.hidden_size, m.intermediate_size, compute_bytes
+    heads, kv_width = m.num_heads // tp, m.num_kv_heads * m.head_dim // tp
+    region = 1 if not sp else tp                     # divisor of the replicated (norm/residual) region
+    sbh = s * b * h
+    cast = 0 if c == 4 else 1                        # a cast's own copy, only when it changes dtype
+    total = 4 * sbh // region                        # the layer's input (fp32 residual stream)
+    total += (4 + c) * sbh // region                 # norm 1: x * rsqrt (for its weight), its output in compute dtype
+    total += c * sbh // tp                           # q after rotary, compute dtype
+    total += 2 * c * s * b * kv_width                # k after rotary, v
+    total += (4 + c * cast) * b * heads * s * s      # softmax output (fp32) and its compute-dtype copy
+    total += c * sbh // tp                           # attention output, the o projection's input
+    total += 4 * sbh // region                       # the residual after attention (norm 2's input)
+    total += (4 + c) * sbh // region                 # norm 2, as norm 1
+    if m.arch == "llama":
+        total += (3 * 4 + c) * s * b * f // tp       # gate, up, silu(gate) in fp32; their product in compute dtype
+    else:
+        total += (4 + c) * s * b * f // tp           # GELU's input in fp32; its output in compute dtype
+    return total
+
+
+def head_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_bytes: int, tp: int = 1,
+                          sp: bool = False) -> int:
+    """The last stage's final norm, head and loss: norm as in a layer; fp32 logits and the loss's
+    log-softmax, then in its backward the log-softmax's gradient and the softmax that turns it into
+    the logits' gradient (four vocabulary-wide fp32 tensors, split by vocabulary across tp)."""
+    s, b, h, c = seq, batch, m.hidden_size, compute_bytes
+    region = 1 if not sp else tp
+    return (4 + 4 + c) * s * b * h // region + 4 * 4 * s * b * m.vocab_size // tp
+
+
+def backward_workspace_bytes(m: ModelConfig, *, seq: int, batch: int, tp: int = 1) -> int:
+    """The largest gradient alive at once inside a layer's backward pass: the attention softmax's (fp32)."""
+    return 4 * batch * (m.num_heads // tp) * seq * seq
+
+
+# The whole estimate ------------------------------------------------------------
+def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None = None) -> list[StageMemory]:
+    """Per-stage device memory of `cfg` under `layout` (default: the config's own)."""
+    lay = layout or Layout.of(cfg)
+    m, seq = cfg.model, cfg.data.seq_len
+    c = COMPUTE_BYTES[cfg.train.precision]
+    tp, pp, dp = lay.tp, lay.pp, lay.dp
+    shard = dp if lay.optimizer_shard else 1
+    batch = lay.micro_batch // lay.pipeline_microbatches if pp > 1 else lay.micro_batch
+    in_flight = lambda k: min(pp - k, lay.pipeline_microbatches) if pp > 1 else 1
+    reserve = (cfg.train.device == "ascend") if runtime is None else runtime
+    per_layer = layer_activation_bytes(m, seq=seq, batch=batch, compute_bytes=c, tp=tp, sp=lay.sp)
+    kept_if_recomputed = 4 * seq * batch * m.hidden_size // (tp if lay.sp else 1)
+    split, replicated = layer_param_counts(m, tp)
+    layer_params = split + replicated
+    accumulates = lay.grad_accum_steps > 1 or pp > 1
+    placed = layer_stages(m.num_layers, pp)
+    stages, first = [], 0
+    for k, layers in enumerate(placed.count(stage) for stage in range(pp)):
+        last = k == pp - 1
+        count = stage_param_count(m, tp=tp, pp=pp, stage=k, layers=layers)
+        recomputed = max(0, min(layers, lay.recompute_layers - first))
+        first += layers
+        acts = (layers - recomputed) * per_layer + recomputed * kept_if_recomputed
+        if last:
+            acts += head_activation_bytes(m, seq=seq, batch=batch, compute_bytes=c, tp=tp, sp=lay.sp)
+        acts *= in_flight(k)
+        if recomputed:
+            acts += per_layer                   # the one layer rebuilt at a time in the backward pass
+        acts += backward_workspace_bytes(m, seq=seq, batch=batch, tp=tp)
+        comm = 0
+        if dp > 1:
+            comm += min(4 * count, DP_BUCKET_BYTES)
+        if tp > 1:
+            comm += 2 * c * seq * batch * m.hidden_size          # the row-parallel outputs' all-reduce
+        if pp > 1:
+            comm += 2 * c * seq * batch * m.hidden_size // (tp if lay.sp else 1)   # send and receive
+        if lay.optimizer_shard and dp > 1:
+            comm += 4 * split                                    # one layer's weights all-gathered
+        stages.append(StageMemory(
+            stage=k, layers=layers,
+            params=4 * count // shard,
+            grads=4 * count,
+            grad_accum=4 * count // shard if accumulates else 0,
+            optimizer=8 * count // shard + STEP_SCALARS_BYTES,
+            # a recomputed layer casts its weights again in the backward pass, one layer at a time
+            weight_copies=0 if c == 4 else c * (count - max(recomputed - 1, 0) * layer_params),
+            activations=acts, comm_buffers=comm,
+            runtime=RUNTIME_RESERVE_BYTES if reserve else 0))
+    return stages
+
+
+def peak(stages: Iterable[StageMemory]) -> StageMemory:
+    """The stage that needs the most memory (the one that decides whether a layout fits)."""
+    return max(stages, key=lambda s: s.total)

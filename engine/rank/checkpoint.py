@@ -1,0 +1,257 @@
+"""The trainer's state as a checkpoint: what is saved, from which rank, and how it comes back.
+
+Owns the adaptation between the trainer's state and the `checkpointing`
+package: the tensors it is given (model parameters, AdamW moments and count,
+loss-scaler state; named as in the model, `adam_m.<name>`, `adam_v.<name>`, …),
+which rank writes which (a size-balanced split every rank computes alike), the
+manifest's run state (the trainer's own — step, data cursor and epoch, skip
+ranges, lr overrides, from its `run_state()` — plus what this adapter adds:
+format version, config hash and trajectory, seeds, world size, metrics at
+save, the parallel layout), restoring all of it — into any data-parallel world
+size, since every rank loads every tensor — and, when asked to, retention after
+each commit. Under semi-auto parallel (engine.layout.parallel) each rank holds slices:
+it saves all of its own, named `rank<r>/<name>`, and loads them back only into
+the same layout, after the step has been compiled (which slices the
+parameters); whole tensors load into any layout before that compile.
+It never touches the trainer itself: it is handed its parameters and its
+run_state/load_run_state pair.
+"""
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import mindspore as ms
+import numpy as np
+import safetensors
+
+import checkpointing
+from checkpointing import checksums, layout, partition, reader, retention
+from checkpointing.writer import ShardWriter
+from checkpointing.writer_process import ProcessShardWriter
+from contracts.config import Config, config_hash, trajectory_dict
+from contracts.errors import ConfigError
+from contracts.protocol import CheckpointEvent
+from engine.layout import parallel
+from engine.rank.resume_check import changed_keys
+
+RUN_STATE_VERSION = 1
+MEMORY_KEEP = 2          # RAM checkpoints kept: the newest, and the one before while the next is written
+
+
+def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error: type[Exception]) -> None:
+    """Sets each parameter from the array of its name, after checking them all (nothing is half
+    loaded): a missing name or a wrong shape raises `error` naming the parameter and `source`."""
+    missing = [p.name for p in params if p.name not in tensors]
+    if missing:
+        raise error(f"{source} lacks {len(missing)} tensor(s) this model needs, e.g. {', '.join(missing[:3])}; "
+                    "was it saved by another model?")
+    for p in params:
+        if tuple(tensors[p.name].shape) != tuple(p.shape):
+            raise error(f"{source}: tensor {p.name!r} has shape {tuple(tensors[p.name].shape)}, "
+                        f"the model needs {tuple(p.shape)}")
+    for p in params:
+        p.set_data(ms.Tensor(tensors[p.name]))
+
+
+class TrainerCheckpoints:
+    def __init__(self, root: Path, cfg: Config, *, params: Sequence[ms.Parameter],
+                 run_state: Callable[[], dict[str, Any]], load_run_state: Callable[[dict[str, Any]], None],
+                 rank: int, world: int, generation: int, emit: Callable[[CheckpointEvent], None],
+                 parallelism: parallel.Parallelism, retain: bool = False):
+        """`params`: every Parameter to save and restore; `run_state()` returns the trainer's
+        non-tensor state (its "step" is the step saved) and `load_run_state` takes it back.
+        `parallelism`: the generation's layout (sliced saves under semi-auto). `retain`: apply checkpoint.keep_last / keep_every_steps after each commit (only rank 0
+        commits) — for a rank running alone; under the supervisor, retention is the supervisor's."""
+        self.cfg, self.root = cfg, Path(root)
+        self.rank, self.world, self.generation = rank, world, generation
+        self._run_state, self._load_run_state = run_state, load_run_state
+        self._emit_event = emit
+        self.params = list(params)
+        self.parallelism = parallelism
+        self.sliced = parallelism.semi_auto
+        sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
+        self.plan = {n: self.rank for n in sizes} if self.sliced else partition.assign(sizes, self.world)
+        self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
+        self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
+                                  on_commit=self._retire if retain else None)
+        # the RAM tier: the same checkpoints on a tmpfs, between disk saves; the newest two are kept
+        self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir)
+                            if cfg.checkpoint.memory_interval_steps else None)
+        # memory tier or not -> (its writer's staging buffers by name, [(parameter, its buffer)])
+        self._copies: dict[bool, tuple[dict, list]] = {}
+        # in a process of its own: as a thread, its Python held the GIL the step needed (checkpointing.writer_process)
+        self.memory_writer = (ProcessShardWriter(self.memory_root, rank=self.rank, world=self.world,
+                                          emit=self._emit_memory, keep_last=MEMORY_KEEP, indent_manifest=False,
+                                          checksum=checksums.CRC32C, recycle=True,
+                                          latest_hint=False)
+                              if self.memory_root is not None else None)
+        self._views: dict[int, tuple[int, np.ndarray]] = {}   # id(parameter) -> (data_ptr, view): _host_value
+        self._views_live = cfg.train.device == "cpu"
+        # what every save's run state and manifest say alike, once (config_hash alone cost a RAM save 0.7 ms)
+        self._fixed_run_state = {"config_hash": config_hash(cfg), "trajectory": trajectory_dict(cfg),
+                                 "seeds": {"train": cfg.train.seed, "data": cfg.data.seed},
+                                 "dp_world_size": self.world, "parallel_layout": parallelism.checkpoint_layout}
+        self._versions = {"llm_pretrain": "0.1.0", "mindspore": ms.__version__, "numpy": np.__version__,
+                          "safetensors": safetensors.__version__, "python": platform.python_version()}
+
+    def _retire(self, step: int) -> None:
+        """After the commit of `step`, on the writer's thread."""
+        c = self.cfg.checkpoint
+        doomed = retention.retire_old(self.root, keep_last=c.keep_last, keep_every=c.keep_every_steps)
+        if doomed:
+            self._emit("retired", step=step, steps=doomed)
+
+    def _emit(self, stage: str, *, step: int, seconds: float = 0.0, error: str = "", steps=(),
+              detail: str = "") -> None:
+        detail = detail or error or (f"deleted steps {', '.join(map(str, steps))}" if steps else "")
+        self._emit_event(CheckpointEvent(rank=self.rank, generation=self.generation, step=step,
+                                         stage=stage, seconds=seconds, detail=detail))
+
+    def _emit_memory(self, stage: str, *, step: int, seconds: float = 0.0, error: str = "", steps=(),
+                     detail: str = "") -> None:
+        """The RAM tier's progress, told apart from the disk's: only its commits and failures."""
+        if stage in ("committed", "failed"):
+            self._emit("in_memory" if stage == "committed" else "in_memory_failed", step=step, seconds=seconds,
+                       error=error, detail=detail or (str(self.memory_root) if stage == "committed" else ""))
+
+    # Saving ------------------------------------------------------------------
+    def manifest_run_state(self, trainer_state: dict[str, Any], metrics: dict[str, float]) -> dict[str, Any]:
+        """The manifest's run_state: the trainer's keys (step, data_cursor, data_epoch, skip_ranges,
+        lr_overrides) and this adapter's; its keys are the format old checkpoints were saved in."""
+        return {"version": RUN_STATE_VERSION, **trainer_state, **self._fixed_run_state, "metrics": metrics}
+
+    def save(self, metrics: dict[str, float], *, memory: bool = False) -> None:
+        """Copies this rank's share to host memory (the only blocking part) and hands it to the writer
+        (`memory`: the RAM tier's).
+
+        asnumpy() is a view of the live parameter, so a copy is needed; it goes into the writer's
+        staging buffers, allocated once and reused, which is safe because the previous save is
+        finished first (ready), and much faster than fresh allocations (no page faults). The RAM
+        tier's are memory its writer process shares."""
+        state = self._run_state()
+        step = state["step"]
+        writer = self.memory_writer if memory else self.writer
+        writer.ready(step)
+        if not memory and (short := self._space_short()) is not None:
+            self.writer.refuse(step, short)          # this save failed, said early (and to the committer)
+            self._emit("failed", step=step, error=short)
+            return
+        started = time.monotonic()
+        if memory not in self._copies:                 # this rank's parameters, each with its buffer
+            owned = [(p, f"rank{self.rank}/{p.name}" if self.sliced else p.name)
+                     for p in self.params if self.plan[p.name] == self.rank]
+            buffers = writer.staging({name: p.asnumpy() for p, name in owned})   # semi-auto: this rank's slices
+            self._copies[memory] = (buffers, [(p, buffers[name]) for p, name in owned])
+        mine, copies = self._copies[memory]
+        for p, buffer in copies:
+            np.copyto(buffer, self._host_value(p))
+        writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
+                    versions=self._versions)
+        if not memory:
+            self._emit("staged", step=step, seconds=time.monotonic() - started)
+
+    def _host_value(self, p: ms.Parameter) -> np.ndarray:
+        """p's value on the host. On the CPU, asnumpy() is a view of the parameter's live memory, which
+        the step updates in place: the view is kept while p.data_ptr() says the memory is still
+        where it was (0.5 us against asnumpy's 10: numpy parses the buffer's format in Python; 0.6 ms
+        of a tiny RAM save's 1 ms, measured), and made again when it moved (set_data, a restore).
+        On a device, asnumpy() each time: it is the copy from the device."""
+        if not self._views_live:
+            return p.asnumpy()
+        address = p.data_ptr()
+        kept = self._views.get(id(p))          # (not p.name: a Python property, 3 us)
+        if kept is None or kept[0] != address:
+            view = p.asnumpy()
+            if view.ctypes.data != address:     # a copy, not a view: none is ever kept
+                self._views_live = False
+                return view
+            kept = self._views[id(p)] = (address, view)
+        return kept[1]
+
+    def _space_short(self) -> str | None:
+        """Why a save cannot fit, if it cannot: less space free than the last checkpoint took. Saves
+        are tried again at each interval, so they resume by themselves when space comes back."""
+        steps = layout.committed_steps(self.root)
+        if not steps:
+            return None
+        if self._last_size[0] != steps[-1]:
+            try:
+                manifest = reader.read_manifest(layout.step_dir(self.root, steps[-1]))
+            except checkpointing.CheckpointError:
+                return None
+            self._last_size = (steps[-1], sum(sh["size_bytes"] for sh in manifest["shards"]))
+        needed, free = self._last_size[1], shutil.disk_usage(self.root).free
+        if free >= needed:
+            return None
+        return (f"not enough free space for a checkpoint: {free:,} bytes free under {self.root}, the last one "
+                f"took {needed:,}; saving is tried again at the next interval")
+
+    def poll(self) -> None:
+        """Passes on what the RAM tier's writer process has told so far (its commits), without waiting:
+        once a step, so its events are as timely as a thread's (a read that finds nothing: ~2 us)."""
+        if self.memory_writer is not None:
+            self.memory_writer.poll()
+
+    def wait(self) -> bool:
+        """Blocks until this rank's save in flight (and, on rank 0, its commit) is done; True if it succeeded."""
+        if self.memory_writer is not None:
+            self.memory_writer.wait()
+        self.writer.wait()
+        return self.writer.last_error is None
+
+    def drop_memory_tier(self) -> None:
+        """The run ended with its final checkpoint on disk: the RAM tier only holds memory now (rank 0)."""
+        if self.memory_root is not None and self.rank == 0:
+            if self.memory_writer is not None:
+                self.memory_writer.close()
+            shutil.rmtree(self.memory_root, ignore_errors=True)
+
+    # Restoring ---------------------------------------------------------------
+    def restore_latest(self, *, allow_config_change: bool = False,
+                       before_slices: Callable[[], None] | None = None) -> dict[str, Any] | None:
+        """Loads the newest verified checkpoint into the parameters and (load_run_state) the trainer;
+        returns its run state, or None if there is none. `before_slices` runs before a sliced
+        checkpoint loads (it compiles the step, which slices the parameters)."""
+        if self.rank == 0:
+            for name in layout.remove_temporaries(self.root):
+                self._emit("removed", step=layout.parse_step(name.removesuffix(".tmp")) or 0,
+                           detail=f"removed {name}, left by an interrupted save")
+            if self.memory_root is not None:
+                layout.remove_temporaries(self.memory_root)
+
+        def quarantined(path: Path, problems: list[str]) -> None:
+            self._emit("quarantined", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
+
+        started = time.monotonic()
+        found = reader.find_newest(self.root, self.memory_root, on_quarantine=quarantined, accept=lambda m: (
+            m["run_state"].get("config_hash") == config_hash(self.cfg)
+            and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))
+        if found is None:
+            return None
+        path, manifest = found
+        state = manifest["run_state"]
+        if state.get("config_hash") != config_hash(self.cfg) and not allow_config_change:
+            changed = changed_keys(state.get("trajectory", {}), trajectory_dict(self.cfg))
+            raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings "
+                              f"({', '.join(changed) or 'config hash differs'}); restore the config or pass "
+                              "--allow-config-change to resume anyway")
+        saved_layout = state.get("parallel_layout")
+        refusal = parallel.resume_refusal(saved_layout, self.parallelism)
+        if refusal:
+            raise ConfigError(f"checkpoint {path} cannot be resumed: {refusal}")
+        if saved_layout and saved_layout.get("sliced"):
+            if before_slices is not None:
+                before_slices()
+            prefix = f"rank{self.rank}/"
+            mine = reader.load_tensors(path, manifest, shard=layout.shard_name(self.rank, manifest["world_size"]))
+            tensors = {n.removeprefix(prefix): a for n, a in mine.items() if n.startswith(prefix)}
+        else:
+            tensors = reader.load_tensors(path, manifest)
+        set_parameters(self.params, tensors, source=str(path), error=checkpointing.CheckpointError)
+        self._load_run_state(state)
+        self._emit("restored", step=state["step"], seconds=time.monotonic() - started, detail=str(path))
+        return state

@@ -1,0 +1,101 @@
+"""Fault drills: what an `inject` command does inside a rank, so operators can rehearse recovery.
+
+Owns: turning agreed `inject` commands into faults at chosen steps of this
+generation (a drill is one-shot: a restarted generation does not repeat it).
+Honoured only with `health.allow_fault_injection = true`.
+
+    nan    the step's scaled loss × NaN on this rank: non-finite gradients, a skipped step
+           (fp16: an overflow, so N of them in a row are an overflow storm)
+    spike  this rank's batches of the window are replaced by uniformly random token ids, as from
+           a corrupt shard: bad data the model cannot predict, a real loss spike, not a faked number
+    hang   the rank stops stepping for `seconds` (default: an hour)
+    crash  the rank SIGKILLs itself
+    slow   `seconds` (default 0.5) of sleep before each step of the window
+    oom    the rank allocates memory until its memory cgroup's limit kills it (only when it
+           runs under a limit; otherwise the drill is refused: it would eat the host's memory)
+
+args: fault, rank (default 0), at_step (default: the next step), steps (window length; nan 1,
+spike 8, slow 100), seconds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import time
+
+from contracts.protocol import ENV_MEMORY_LIMIT, InjectRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class Drill:
+    fault: str
+    first_step: int
+    steps: int
+    seconds: float
+
+    def covers(self, step: int) -> bool:
+        return self.first_step <= step < self.first_step + self.steps
+
+
+class Drills:
+    def __init__(self, *, rank: int, allowed: bool, env=os.environ, log=None):
+        self.rank, self.allowed, self.env = rank, allowed, env
+        self.pending: list[Drill] = []
+        self.log = log or (lambda msg: print(f"llm-pretrain: {msg}", file=sys.stderr, flush=True))
+
+    def add(self, seq: int, args: dict, applied_after_step: int) -> None:
+        """An agreed inject command, applied after step `applied_after_step` on every rank."""
+        if not self.allowed:
+            self.log(f"ignoring inject command {seq}: health.allow_fault_injection = false")
+            return
+        try:
+            req = InjectRequest.from_dict(args)
+        except ValueError as e:
+            self.log(f"ignoring inject command {seq}: {e}")
+            return
+        if req.rank != self.rank:
+            return
+        first = max(req.at_step or 0, applied_after_step + 1)
+        steps = req.steps_or_default
+        self.pending.append(Drill(req.fault, first, steps, req.seconds_or_default))
+        self.log(f"inject command {seq}: {req.fault} at step {first} for {steps} step(s) on rank {self.rank}")
+
+    def before_step(self, step: int) -> tuple[float, bool]:
+        """Runs the process-level faults due before `step`; returns (poison, corrupt) for the step."""
+        poison, corrupt = 1.0, False
+        for d in self.pending:
+            if not d.covers(step):
+                continue
+            if d.fault == "nan":
+                poison = float("nan")
+            elif d.fault == "spike":
+                corrupt = True
+            elif d.fault == "slow":
+                time.sleep(d.seconds)
+            elif d.fault == "hang" and step == d.first_step:
+                self.log(f"drill: hanging for {d.seconds:g} s before step {step}")
+                time.sleep(d.seconds)
+            elif d.fault == "crash" and step == d.first_step:
+                self.log(f"drill: SIGKILL before step {step}")
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif d.fault == "oom" and step == d.first_step:
+                self._exhaust_memory(step)
+        self.pending = [d for d in self.pending if d.first_step + d.steps > step]
+        return poison, corrupt
+
+    def _exhaust_memory(self, step: int) -> None:
+        limit = int(self.env.get(ENV_MEMORY_LIMIT, "0") or 0)
+        if limit <= 0:
+            self.log("ignoring the oom drill: this rank runs without a memory limit "
+                     "(set run.worker_memory_limit_bytes)")
+            return
+        self.log(f"drill: allocating past the {limit} byte limit before step {step}")
+        hoard, chunk = [], 64 << 20
+        for _ in range(2 * limit // chunk + 2):
+            block = bytearray(chunk)
+            block[::4096] = b"\x01" * len(block[::4096])     # touch every page: resident, not just reserved
+            hoard.append(block)
+        self.log("the oom drill allocated twice the limit and was not killed: the limit is not enforced")
+        hoard.clear()

@@ -1,0 +1,37 @@
+"""A warm standby rank: started while the previous generation still trains, it imports MindSpore and
+forms its generation's cluster, then waits for the supervisor to make it a rank.
+
+Owns: the worker's half of a standby (the supervisor's is daemon/standby.py). A
+restart then skips what dominates it on CPU: the interpreter and MindSpore's
+import (~1.5 s) and the dynamic cluster's formation (~4 s, 3 of them a fixed
+sleep inside MindSpore's CPU collectives).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from contracts.config import Config
+from contracts.protocol import ENV_EVENT_SOCKET, ENV_GENERATION, PhaseEvent, await_activation
+from engine.rank import runtime, startup
+from engine.rank.events import EventSink
+
+
+def hold(cfg: Config, fd: int) -> None:
+    """Forms the cluster, then blocks until activated: takes the activation's environment as this
+    process's and restarts the start-up clock. Retired (the pipe closed): exits 0 at once, without
+    MindSpore's finalisation, which would wait for a cluster that is going away."""
+    spawned = set(os.environ)                  # what the supervisor gave; MindSpore may add its own
+    rank = runtime.setup(cfg).rank
+    ready = PhaseEvent(rank=rank, generation=int(os.environ.get(ENV_GENERATION, "0")), phase="standby")
+    EventSink(sys.stdout, os.environ.get(ENV_EVENT_SOCKET)).emit(ready, log=False)     # to the supervisor
+    env = await_activation(fd)
+    if env is None:
+        sys.stdout.flush()
+        os._exit(0)
+    for name in [k for k in spawned if k not in env]:         # only what differs: MindSpore's threads read it
+        os.environ.pop(name, None)
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+    startup.restart()

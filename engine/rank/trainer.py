@@ -1,0 +1,374 @@
+"""The worker: build the model and step, then run the step loop, reporting one JSON event per step.
+
+Owns: the training loop of one rank — which samples each step feeds, the lr
+of each step, and what is reported. `llm-pretrain train` runs it either as a
+complete single-process trainer or as one rank of MindSpore's dynamic cluster
+(the msrun-style environment the supervisor sets).
+"""
+from __future__ import annotations
+
+import faulthandler
+import hashlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence, TextIO
+
+import numpy as np
+
+from contracts.config import Config
+from contracts.protocol import (
+    ENV_COMMANDS,
+    ENV_EVENT_SOCKET,
+    ENV_GENERATION,
+    ENV_RECOVERY,
+    DataFaultEvent,
+    ExitEvent,
+    PhaseEvent,
+    Recovery,
+    StepEvent,
+)
+from engine.data import order
+from engine.data.corpus_blocks import CorruptBlockError
+from engine.data.feed import FedStep, feed
+from engine.rank import runtime
+from engine.rank.commands import CommandReader
+from engine.rank.drills import Drills
+from engine.rank.events import EventSink
+from engine.rank.startup import StartupClock
+from engine.rank.stop_signal import StopSignal
+from engine.training import schedule
+
+
+class Trainer:
+    """One rank's model, step and data, with the loop that drives them."""
+
+    def __init__(self, cfg: Config, rank_info: runtime.RankInfo, *, generation: int = 0,
+                 overrides: Sequence[schedule.LrOverride] = (),
+                 source: order.CorpusSource | order.SyntheticSource | None = None):
+        from engine.model.causal_lm import build_model
+        from engine.training.step import build_step
+
+        self.cfg, self.rank_info, self.generation = cfg, rank_info, generation
+        self.overrides = list(overrides)
+        self.parallelism = rank_info.parallelism
+        self.net = build_model(cfg, self.parallelism)
+        self.step_fn = build_step(self.net, cfg, self.parallelism, rank=rank_info.rank, world=rank_info.world_size,
+                                  local_world=rank_info.local_world_size)
+        self.source = source if source is not None else order.open_source(cfg)
+        self.skips: list[tuple[int, int]] = []   # global sample ranges never trained on (set_skips)
+        self.step = 0                      # optimizer steps completed
+        self.cursor = 0                    # data position: the next global sample index
+        self._fed: Iterator[FedStep] | None = None
+        self._last_end: float | None = None     # when the previous step ended (host time since: host_s)
+        self.agreed_control: tuple[int, ...] = ()
+
+    def compile_step(self) -> None:
+        """Compiles the step without running it (under semi-auto parallel this slices the parameters)."""
+        t = self.cfg.train
+        rows = self.parallelism.rank_batch(np.arange(t.global_batch), self.rank_info.rank).shape[1]
+        self.step_fn.compile(np.zeros((t.grad_accum_steps, rows, self.cfg.data.seq_len + 1), np.int32))
+
+    def lr(self, step: int) -> tuple[float, float]:
+        o = self.cfg.optim
+        return schedule.lr_at(step, lr=o.lr, min_lr=o.min_lr, warmup_steps=o.warmup_steps,
+                              cosine_steps=self.cfg.cosine_steps, overrides=self.overrides)
+
+    def set_skips(self, skips: Sequence[tuple[int, int]]) -> None:
+        self.skips = order.merge_ranges(skips)
+        self._fed = None
+
+    # The trainer's state, in the manner of torchtitan's state_dict ------------
+    def state_params(self) -> list:
+        """Every Parameter a checkpoint carries: the model's, then the step's (AdamW, loss scaler)."""
+        return [*self.net.trainable_params(), *self.step_fn.state()]
+
+    def run_state(self) -> dict[str, Any]:
+        """The non-tensor state a checkpoint carries, as JSON-ready values (keys as in the manifest)."""
+        return {"step": self.step, "data_cursor": self.cursor,
+                "data_epoch": self.cursor // self.source.samples_per_epoch,
+                "skip_ranges": [list(r) for r in self.skips],
+                "lr_overrides": [o.to_dict() for o in self.overrides],
+                "quarantined_blocks": [list(b) for b in self.source.quarantined]}
+
+    def load_run_state(self, state: dict[str, Any]) -> None:
+        """The inverse of run_state (data_epoch follows from the cursor); extra keys are ignored."""
+        self.step, self.cursor = int(state["step"]), int(state["data_cursor"])
+        self.set_skips([(int(a), int(b)) for a, b in state["skip_ranges"]])   # also drops the feed at the old cursor
+        self.overrides = [schedule.LrOverride.from_dict(o) for o in state["lr_overrides"]]
+        self.quarantine(state.get("quarantined_blocks", []))
+
+    def quarantine(self, blocks: Sequence[Sequence]) -> None:
+        """Corpus blocks never to read again (their samples are passed over in the data order)."""
+        self.source.quarantine(blocks)
+        self._fed = None
+
+    def train_step(self, *, poison: float = 1.0, control: np.ndarray | None = None,
+                   corrupt: bool = False) -> StepEvent:
+        """Runs optimizer step number self.step + 1 and returns its event; `agreed_control` then holds
+        the control vector summed over the ranks. `corrupt` (a fault drill) replaces this rank's batch
+        by uniformly random token ids, as a corrupt shard would: data the model cannot predict."""
+        t = self.cfg.train
+        started = time.perf_counter()
+        if self._fed is None:
+            rank, parallelism = self.rank_info.rank, self.parallelism
+            self._fed = feed(self.source, cursor=self.cursor, steps=t.steps - self.step,
+                             share=lambda indices: parallelism.rank_batch(indices, rank), global_batch=t.global_batch,
+                             skips=self.skips, prefetch_steps=self.cfg.data.prefetch_steps)
+        fed = next(self._fed, None)
+        if fed is None:
+            raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
+        data_wait_s = time.perf_counter() - started
+        lr, multiplier = self.lr(self.step + 1)
+        batch = fed.batch
+        if corrupt:
+            rng = np.random.default_rng(self.step + 1)
+            batch = rng.integers(0, self.cfg.model.vocab_size, size=batch.shape, dtype=batch.dtype)
+        computing = time.perf_counter()
+        host_s = computing - (self._last_end if self._last_end is not None else started)
+        result = self.step_fn.run(batch, lr, poison=poison, control=control)
+        self._last_end = time.perf_counter()
+        step_s = self._last_end - started
+        sample_start, sample_end = fed.sample_start, fed.sample_end
+        self.step += 1
+        self.cursor = fed.cursor_after
+        self.agreed_control = result.control
+        tokens = t.global_batch * self.cfg.data.seq_len
+        return StepEvent(rank=self.rank_info.rank, generation=self.generation, step=self.step,
+                         loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale, lr=lr,
+                         lr_multiplier=multiplier, skipped=result.skipped, sample_start=sample_start,
+                         sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
+                         tokens_per_s=tokens / step_s, host_s=host_s, sync_s=result.sync_s)
+
+    def apply_recovery(self, recovery: Recovery, restored_step: int) -> int:
+        """The policy's directive after a rollback (see contracts.protocol.Recovery); returns the step
+        at which the loss-scale cap it set must be lifted (0: no cap)."""
+        from engine.training import loss_scale
+
+        self.set_skips([*self.skips, *recovery.skip_ranges])
+        self.quarantine(recovery.quarantined_blocks)
+        self.overrides = list(recovery.lr_overrides)
+        plan = loss_scale.after_recovery(recovery, restored_step=restored_step, step=self.step)
+        return self.step_fn.scaler.follow(plan)
+
+    def init_from_hf(self, directory: str) -> int:
+        """Sets every model parameter from a Hugging Face LLaMA directory; returns the count."""
+        from contracts.errors import ConfigError
+        from engine.interop import hf
+        from engine.rank.checkpoint import set_parameters
+
+        params = list(self.net.trainable_params())
+        set_parameters(params, hf.load_for_init(Path(directory), self.cfg.model),
+                       source=f"model.init_from: {directory}", error=ConfigError)
+        return len(params)
+
+    def lift_loss_scale_cap(self) -> None:
+        self.step_fn.scaler.lift_cap()
+
+    def params_sha256(self) -> str:
+        digest = hashlib.sha256()
+        for p in self.net.trainable_params():
+            digest.update(p.name.encode())
+            digest.update(np.ascontiguousarray(p.asnumpy()).tobytes())
+        return digest.hexdigest()
+
+
+STOP_SLOT = 0   # control vector: [stop flag, command window (engine.rank.commands.WINDOW slots)]
+
+
+def train(cfg: Config, *, out: TextIO = sys.stdout, env=os.environ, until_step: int | None = None,
+          allow_config_change: bool = False) -> ExitEvent:
+    """Resumes from the run's newest checkpoint, trains to cfg.train.steps (or `until_step`), saving
+    every checkpoint.interval_steps, on SIGTERM/SIGINT or a `stop`/`checkpoint` command, and at the end.
+    Every rank emits its events (steps, phases, checkpoints) as JSON lines and, under the supervisor,
+    datagrams; raises CheckpointSaveError if the last save fails."""
+    run = RankRun.start(cfg, out=out, env=env)          # data, signals, events, MindSpore and its cluster
+    run.restore(allow_config_change=allow_config_change)  # model, step, checkpoint (or init_from), recovery
+    reason = run.loop(until_step)                       # steps, agreed commands, saves, pauses
+    return run.finish(reason)                           # the last save, the exit event
+
+
+class RankRun:
+    """One rank's run of `train`, in named steps: start, restore, loop (step, agree, save, pause), finish."""
+
+    def __init__(self, cfg: Config, env, *, clock: StartupClock, source, stop: StopSignal, sink: EventSink,
+                 rank_info: runtime.RankInfo):
+        self.cfg, self.env, self.clock, self.source, self.stop, self.sink = cfg, env, clock, source, stop, sink
+        self.rank_info = rank_info
+        self.generation = int(env.get(ENV_GENERATION, "0"))
+        self.commands = CommandReader(env.get(ENV_COMMANDS))
+        self.drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env)
+        self.applied = 0                  # the highest command sequence number applied
+        self.cap_until = 0                # the step at which the recovery's loss-scale cap is lifted (0: none)
+        self.simulated = bool(env.get("MS_SIMULATION_LEVEL"))   # `plan --dry-run`: one compiled step, nothing saved
+        self.trainer: Trainer | None = None
+        self.ckpt = None
+
+    @classmethod
+    def start(cls, cfg: Config, *, out: TextIO, env) -> RankRun:
+        clock = StartupClock()
+        clock.mark("launch")                  # interpreter, imports, config and resume checks
+        source = order.open_source(cfg)       # bad data fails here, before the cluster forms
+        clock.mark("data")
+        stop = StopSignal()                   # from here on, SIGTERM asks for a save and a clean exit
+        faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
+        faulthandler.enable(all_threads=True)        # a crash (SIGSEGV, SIGBUS, SIGABRT...) says where, in the log
+        sink = EventSink(out, env.get(ENV_EVENT_SOCKET))
+        import mindspore  # noqa: F401  (timed on its own; runtime.setup uses it)
+
+        clock.mark("import")
+        rank_info = runtime.setup(cfg, env)
+        clock.mark("cluster")
+        return cls(cfg, env, clock=clock, source=source, stop=stop, sink=sink, rank_info=rank_info)
+
+    def phase(self, name: str, step: int = 0, **more) -> None:
+        self.sink.emit(PhaseEvent(rank=self.rank_info.rank, generation=self.generation, phase=name, step=step, **more))
+
+    def restore(self, *, allow_config_change: bool) -> None:
+        from engine.rank.checkpoint import TrainerCheckpoints
+
+        cfg, env, rank_info = self.cfg, self.env, self.rank_info
+        self.phase("restore")
+        trainer = self.trainer = Trainer(cfg, rank_info, generation=self.generation, source=self.source)
+        self.clock.mark("build")
+        # Under the supervisor, retention is its job: it knows which checkpoints its incidents still need.
+        retain = rank_info.rank == 0 and not env.get(ENV_EVENT_SOCKET)
+        self.ckpt = TrainerCheckpoints(cfg.run.resolved_dir(env) / "checkpoints", cfg, params=trainer.state_params(),
+                                       run_state=trainer.run_state, load_run_state=trainer.load_run_state,
+                                       rank=rank_info.rank, world=rank_info.world_size, generation=self.generation,
+                                       emit=self.sink.emit, parallelism=rank_info.parallelism, retain=retain)
+        restored = self.ckpt.restore_latest(allow_config_change=allow_config_change,
+                                            before_slices=trainer.compile_step)
+        if restored is None and cfg.model.init_from:
+            count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
+            print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr,
+                  flush=True)
+        recovery = _read_recovery(env)
+        if recovery:
+            self.cap_until = trainer.apply_recovery(recovery, restored["step"] if restored else 0)
+
+    def loop(self, until_step: int | None) -> str:
+        """Trains to the last step; returns why it ended (finished, until_step, stopped, released)."""
+        trainer, cfg = self.trainer, self.cfg
+        last = min(cfg.train.steps, until_step) if until_step is not None else cfg.train.steps
+        if self.simulated:
+            last = min(last, trainer.step + 1)
+        reason = "finished" if last == cfg.train.steps else "until_step"
+        self.clock.mark("restore")
+        if trainer.step < last:
+            self.phase("compile", trainer.step, startup_s=self.clock.stages)
+        while trainer.step < last:
+            event, agreed = self._step(last)
+            stopping, pausing, save_now = self._agree(event, agreed, last)
+            self._save(event, save_now)
+            if stopping:
+                return "stopped"
+            if pausing:
+                outcome = self._pause()
+                if outcome != "resume":
+                    return "stopped" if outcome == "stop" else "released"
+        return reason
+
+    def _step(self, last: int) -> tuple[StepEvent, np.ndarray]:
+        """One optimizer step, with this rank's stop flag and commands read fed into its agreement."""
+        trainer, rank = self.trainer, self.rank_info.rank
+        self.commands.poll()
+        self.ckpt.poll()
+        control = np.concatenate([[int(self.stop.requested)], self.commands.encode(self.applied)]).astype(np.int32)
+        poison, corrupt = self.drills.before_step(trainer.step + 1)
+        try:
+            event = trainer.train_step(control=control, poison=poison, corrupt=corrupt)
+        except CorruptBlockError as e:
+            # before any rank trained on it: the supervisor quarantines the blocks and restarts
+            self.sink.emit(DataFaultEvent(rank=rank, generation=self.generation, step=trainer.step + 1,
+                                          corpus=e.path, blocks=[b.to_dict() for b in e.bad], detail=str(e),
+                                          corpus_blocks=e.corpus_blocks))
+            raise
+        # every step to the supervisor (its health detectors), every log interval to the rank's log
+        self.sink.emit(event, log=event.step % self.cfg.train.log_interval_steps == 0 or event.step == last)
+        if self.cap_until and trainer.step >= self.cap_until:
+            trainer.lift_loss_scale_cap()
+            self.cap_until = 0
+        return event, np.asarray(trainer.agreed_control)
+
+    def _agree(self, event: StepEvent, agreed: np.ndarray, last: int) -> tuple[bool, bool, bool]:
+        """What every rank applies after this step: (stop, pause, save now)."""
+        interval = self.cfg.checkpoint.interval_steps
+        stopping = bool(agreed[STOP_SLOT] > 0)
+        pausing = False
+        save_now = stopping or event.step == last or bool(interval and event.step % interval == 0)
+        for cmd in self.commands.agreed(self.applied, agreed[1:]):
+            self.applied = cmd.seq
+            if cmd.name == "stop":
+                stopping = save_now = True
+            elif cmd.name == "checkpoint":
+                save_now = True
+            elif cmd.name == "pause":
+                pausing = save_now = event.step < last
+            elif cmd.name == "inject":
+                self.drills.add(cmd.seq, cmd.args, self.trainer.step)
+        return stopping, pausing, save_now
+
+    def _save(self, event: StepEvent, save_now: bool) -> None:
+        if self.simulated:
+            return
+        metrics = {"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr, "loss_scale": event.loss_scale}
+        in_memory = self.cfg.checkpoint.memory_interval_steps
+        if save_now:
+            self.ckpt.save(metrics)
+        elif in_memory and event.step % in_memory == 0:
+            self.ckpt.save(metrics, memory=True)             # the RAM tier, between disk saves
+
+    def _pause(self) -> str:
+        """Every rank agreed on this step; the checkpoint is committed before holding, so the supervisor
+        may release the devices at any time and resume from it. Returns resume, stop or release."""
+        self.ckpt.wait()
+        self.phase("paused", self.trainer.step)
+        outcome, self.applied = _hold(self.commands, self.applied, self.stop)
+        if outcome == "resume":
+            self.phase("train", self.trainer.step)
+        return outcome
+
+    def finish(self, reason: str) -> ExitEvent:
+        trainer = self.trainer
+        self.phase("checkpoint", trainer.step)
+        ok = self.ckpt.wait()
+        if ok and not self.simulated:
+            self.ckpt.drop_memory_tier()                       # the final checkpoint is on disk
+        self.phase("exiting", trainer.step)
+        end = ExitEvent(rank=self.rank_info.rank, generation=trainer.generation, step=trainer.step, reason=reason,
+                        params_sha256=trainer.params_sha256())
+        self.sink.emit(end)
+        if not ok:
+            raise CheckpointSaveError(f"the checkpoint of step {trainer.step} could not be saved: "
+                                      f"{self.ckpt.writer.last_error}")
+        return end
+
+
+def _hold(commands: CommandReader, applied: int, stop: StopSignal, poll_s: float = 0.1) -> tuple[str, int]:
+    """Paused: no steps, no collectives. Every rank reads the same commands file, so every rank
+    leaves on the same command: resume (train on), stop, or release (the supervisor frees the
+    devices; the run resumes from the pause checkpoint in a later generation)."""
+    while True:
+        if stop.requested:
+            return "stop", applied
+        commands.poll()
+        for seq in sorted(s for s in commands.commands if s > applied):
+            applied = seq
+            if commands.commands[seq].name in ("resume", "stop", "release"):
+                return commands.commands[seq].name, applied
+        time.sleep(poll_s)
+
+
+def _read_recovery(env) -> Recovery | None:
+    path = env.get(ENV_RECOVERY)
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return Recovery.from_json(f.read())
+
+
+class CheckpointSaveError(RuntimeError):
+    """The last checkpoint of a run failed: its work since the previous checkpoint is not on disk."""
