@@ -21,7 +21,7 @@ Also: merging a rollback into the recovery directive in force. No clocks, files 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 from contracts.config import HealthConfig, TrainConfig
 from contracts.protocol import ExitCode, LrOverride, Recovery
@@ -60,36 +60,46 @@ def _recurrences(kinds: Sequence[Kind], incident: Incident, history: RunHistory,
 
 
 def decide(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
-    """The action for an incident that needs one (warnings never come here)."""
-    kind = incident.kind
-    if kind in (Kind.CRASH, Kind.HANG, Kind.STRAGGLER, Kind.NODE_LOST):
-        if history.restarts_without_progress >= h.max_restarts_without_progress:
-            return Halt(f"{history.restarts_without_progress} restarts without a new checkpoint",
-                        ExitCode.GAVE_UP_CRASH_LOOP)
-        why = " (on a cluster its node would be excluded)" if kind is Kind.STRAGGLER else ""
-        return Restart(f"{kind.value}: restart from the latest committed checkpoint{why}")
-    if kind is Kind.OOM:
-        return _smaller(train)
-    if kind is Kind.DATA_CORRUPT:
-        return _quarantine(incident, history, h)
-    everything = [*history.incidents, incident]
-    target = newest_healthy(history.committed_steps, everything, h.rollback_margin_steps,
-                            before_step=incident.first_step - h.rollback_margin_steps)
-    if kind is Kind.OVERFLOW_STORM:
-        n = _recurrences((Kind.OVERFLOW_STORM,), incident, history, h.recur_window_steps) + 1
-        start_scale = incident.storm_start_scale or train.loss_scale_init
-        scale = start_scale * h.loss_scale_cut ** n
-        if scale >= train.loss_scale_min:
-            return Rollback(f"fp16 overflow storm #{n}: loss scale {start_scale:g} -> {scale:g}, growth capped",
-                            checkpoint_step=target, skip=None, lr_overrides=(), loss_scale=scale,
-                            loss_scale_cap_until_step=target + h.loss_scale_cap_steps)
-        kind = Kind.NON_FINITE            # no scale left to lower: treat it like fp32's non-finite
-    if kind in NUMERIC:
-        return _cut_lr(kind, incident, history, h, target)
-    raise ValueError(f"no policy for incident kind {kind.value!r}")
+    """The action for an incident that needs one (warnings never come here): its kind's row of RULES."""
+    rule = RULES.get(incident.kind)
+    if rule is None:
+        raise ValueError(f"no policy for incident kind {incident.kind.value!r}")
+    return rule(incident, history, h, train)
 
 
-def _smaller(train: TrainConfig) -> Action:
+def _restart(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
+    """A process fault: restart from the latest committed checkpoint, until restarts stop making progress."""
+    if history.restarts_without_progress >= h.max_restarts_without_progress:
+        return Halt(f"{history.restarts_without_progress} restarts without a new checkpoint",
+                    ExitCode.GAVE_UP_CRASH_LOOP)
+    why = " (on a cluster its node would be excluded)" if incident.kind is Kind.STRAGGLER else ""
+    return Restart(f"{incident.kind.value}: restart from the latest committed checkpoint{why}")
+
+
+def _rollback_target(incident: Incident, history: RunHistory, h: HealthConfig) -> int:
+    """The newest healthy checkpoint before the incident began (and before its margin)."""
+    return newest_healthy(history.committed_steps, [*history.incidents, incident], h.rollback_margin_steps,
+                          before_step=incident.first_step - h.rollback_margin_steps)
+
+
+def _numeric(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
+    return _cut_lr(incident.kind, incident, history, h, _rollback_target(incident, history, h))
+
+
+def _overflow_storm(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
+    """fp16: a lower loss scale, growth capped; with no scale left to lower, fp32's non-finite handling."""
+    target = _rollback_target(incident, history, h)
+    n = _recurrences((Kind.OVERFLOW_STORM,), incident, history, h.recur_window_steps) + 1
+    start_scale = incident.storm_start_scale or train.loss_scale_init
+    scale = start_scale * h.loss_scale_cut ** n
+    if scale >= train.loss_scale_min:
+        return Rollback(f"fp16 overflow storm #{n}: loss scale {start_scale:g} -> {scale:g}, growth capped",
+                        checkpoint_step=target, skip=None, lr_overrides=(), loss_scale=scale,
+                        loss_scale_cap_until_step=target + h.loss_scale_cap_steps)
+    return _cut_lr(Kind.NON_FINITE, incident, history, h, target)
+
+
+def _smaller(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
     """Out of memory: recompute on, then half the micro-batch at twice the accumulation."""
     if not train.recompute:
         return Restart("out of memory: recompute on", {"train.recompute": True})
@@ -102,7 +112,7 @@ def _smaller(train: TrainConfig) -> Action:
                 ExitCode.GAVE_UP_CRASH_LOOP)
 
 
-def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig) -> Action:
+def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
     bad = tuple((str(b["file"]), int(b["block"])) for b in incident.evidence.get("blocks", ()))
     every = sorted({*history.quarantined, *bad})
     total = int(incident.evidence.get("corpus_blocks") or 0)
@@ -130,6 +140,19 @@ def _cut_lr(kind: Kind, incident: Incident, history: RunHistory, h: HealthConfig
                           ramp_steps=h.lr_ramp_steps)
     return Rollback(f"{kind.value} #{n}: roll back to step {target}, skip samples {skip}, lr x{factor:g}",
                     checkpoint_step=target, skip=skip, lr_overrides=(override,))
+
+
+Rule = Callable[[Incident, RunHistory, HealthConfig, TrainConfig], Action]
+
+# The policy's table: what is done for each kind of incident that is acted on. A new detector adds a row;
+# a kind without one (the warnings) is never decided on.
+RULES: dict[Kind, Rule] = {
+    Kind.CRASH: _restart, Kind.HANG: _restart, Kind.STRAGGLER: _restart, Kind.NODE_LOST: _restart,
+    Kind.OOM: _smaller,
+    Kind.DATA_CORRUPT: _quarantine,
+    Kind.OVERFLOW_STORM: _overflow_storm,
+    Kind.LOSS_SPIKE: _numeric, Kind.LOSS_COLLAPSE: _numeric, Kind.GRAD_NORM_SPIKE: _numeric, Kind.NON_FINITE: _numeric,
+}
 
 
 def merge_recovery(previous: Recovery | None, rollback: Rollback) -> Recovery:

@@ -162,3 +162,12 @@ def test_too_much_corrupt_data_gives_up_with_65():
     many = [("tokens-00001.bin", b) for b in range(10)]
     action = decide(corrupt(205, many), RunHistory(committed_steps=CKPTS, quarantined=earlier), CFG)
     assert isinstance(action, Halt) and action.code == 65 and "55 of 1000" in action.reason
+
+
+def test_the_policy_is_a_table_with_a_row_for_every_kind_it_acts_on_and_none_for_a_warning():
+    warnings = {Kind.GRAD_NORM_BURST, Kind.THROUGHPUT_REGRESSION, Kind.LOSS_STALLED, Kind.CHECKPOINT_FAILING,
+                Kind.DISK_SPACE_LOW}
+    assert set(policy.RULES) == set(Kind) - warnings
+    with pytest.raises(ValueError, match="no policy for incident kind 'loss_stalled'"):
+        policy.decide(Incident(kind=Kind.LOSS_STALLED, first_step=5, last_step=9), policy.RunHistory(),
+                      CFG.health, CFG.train)
