@@ -1,5 +1,6 @@
 """This daemon's peers, as the supervisor's loop sees them: none on one machine (`Alone`, here), or
-the other nodes' daemons through etcd (daemon.nodes.Nodes, with the same calls).
+the other nodes' daemons through etcd (daemon.nodes.Nodes). `Peers` is the seam, a typing.Protocol
+the supervisor is typed against; both kinds implement it (a unit test compares their signatures).
 
 The calls: open a generation (what it runs with, this node's ranks), hear during a generation that
 it ends elsewhere, say why it ended here, and, between generations, the recovery decision; plus
@@ -9,7 +10,7 @@ are what both kinds return and raise.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Protocol
 
 from contracts.config import Config, with_changes
 from contracts.protocol import ExitCode
@@ -36,6 +37,52 @@ class PeersUnavailableError(RuntimeError):
     def __init__(self, message: str, code: ExitCode):
         super().__init__(message)
         self.code = code
+
+
+class Peers(Protocol):
+    """What the supervisor's loop asks of the other machines of its run (none, or several)."""
+
+    is_leader: bool                 # this daemon decides for the run
+
+    def start(self, ledger: Ledger, files: RunFiles) -> None:
+        """Join the run (multi-node: register, check the run's identity); raises PeersUnavailableError."""
+
+    def close(self) -> None:
+        """Leave (release leases, stop watches)."""
+
+    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
+        """The next generation as this node runs it; None when stopping while waiting for it."""
+
+    def cut_off(self, now: float) -> bool:
+        """This node has lost the run (multi-node: its lease, or the coordinator, for too long)."""
+
+    def hear(self, number: int, now: float) -> watch.Outcome | None:
+        """Generation `number` ended elsewhere: how."""
+
+    def requests(self) -> list[Request]:
+        """Operator requests made on other nodes that this one acts on."""
+
+    def forward(self, request: Request) -> bool:
+        """Hand a request to the node that acts on it; False when that is this one."""
+
+    def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
+        """A command to every rank of the run."""
+
+    def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
+        """Say how generation `number` ended here; the outcome the run acts on."""
+
+    def unfinished(self, ledger: Ledger) -> Incident | None:
+        """An incident that ended a generation but was not decided (its decider died): decided first."""
+
+    def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
+                stopping: Callable[[], bool]) -> recovery.Decision | None:
+        """The recovery decision for an incident: made here by the leader, awaited by the others."""
+
+    def finish(self, code: int, status: str) -> None:
+        """The run ended here with this exit code and status."""
+
+    def ended_run(self) -> watch.Outcome | None:
+        """The run ended elsewhere: how (None while it goes on)."""
 
 
 class Alone:

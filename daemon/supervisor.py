@@ -48,7 +48,7 @@ class Supervisor:
         self.memcg_parent: tuple[int, Path] | None = None
         self.ledger: Ledger | None = None       # made once the lock is held: it writes into the run
         self.backoff = recovery.Backoff(cfg.health)
-        self.peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
+        self.peers: peers.Peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
         self.spare = standby.Keeper(self.files, self.env, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd)
 
     @property
