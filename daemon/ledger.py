@@ -4,6 +4,8 @@ Owns the bookkeeping every part of the supervisor loop shares — each change
 of status saved, each incident recorded (on disk before anything is done
 about it), each step's progress fed to the metrics and, now and then, to
 the log and state.json — so that the loop itself only decides what happens.
+The state itself changes only through RunState's methods (daemon.state);
+the Ledger calls them and saves.
 A corrupt state.json is set aside and rebuilt from the log (daemon.rebuild)
 when the Ledger is made, with a `state_rebuilt` error event. No processes,
 no policy.
@@ -16,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from contracts.protocol import StepEvent
+from contracts.protocol import Recovery, StepEvent
 from daemon import rebuild
 from daemon.control import ControlDir, Rejected, Request
 from daemon.eventlog import EventLog
@@ -52,8 +54,7 @@ class Ledger:
             aside = set_aside(self.run_dir, time.time())
             events = rebuild.read_events(self.log.path) if self.log.path else []
             state, counts = rebuild.state_from_events(events)
-            state.total_steps = self.total_steps
-            state.log_dir = str(self.log.path.parent) if self.log.path else ""
+            state.set_run(total_steps=self.total_steps, log_dir=str(self.log.path.parent) if self.log.path else "")
             self.emit("state_rebuilt", level="error", path=str(aside), detail=e.why, rebuilt=counts,
                       generations=state.generation, pending_rollback=state.pending_rollback,
                       recovery=state.recovery.to_dict() if state.recovery else None)
@@ -73,13 +74,12 @@ class Ledger:
 
     def begin(self, *, total_steps: int, log_dir: Path) -> None:
         """This daemon now runs the run: its pid, the run's length and where its logs are, saved."""
-        self.state.processes = []
-        self.state.daemon_pid, self.state.total_steps, self.state.log_dir = os.getpid(), total_steps, str(log_dir)
-        self.state.started_unix_s = self.state.started_unix_s or time.time()   # the run's first daemon
+        self.state.begin(daemon_pid=os.getpid(), total_steps=total_steps, log_dir=str(log_dir), now_s=time.time())
         self.save()
 
-    def next_generation(self) -> int:
-        self.state.generation = self.log.generation = self.state.generation + 1
+    def next_generation(self, number: int | None = None) -> int:
+        """The next generation, or generation `number` (a multi-node run's, as node 0 published it)."""
+        self.log.generation = self.state.next_generation(number)
         self.generation_opened = time.monotonic()
         self.metrics.update(generation=self.state.generation)
         return self.state.generation
@@ -103,8 +103,7 @@ class Ledger:
     def checkpoint_failed(self, step: int, detail: str) -> None:
         """The first failed save since the last commit is a health warning (a full or read-only disk,
         most often); later ones only extend it. Training goes on; saves are tried at each interval."""
-        if self.state.checkpoints_failing_since is None:
-            self.state.checkpoints_failing_since = step
+        if self.state.checkpoint_failed(step):
             self.metrics.update(checkpoints_failing_since_step=step)
             self.warn(Incident(kind=Kind.CHECKPOINT_FAILING, first_step=step, last_step=step, needs_action=False,
                                detail=f"checkpoints failing since step {step}: {detail}",
@@ -112,10 +111,8 @@ class Ledger:
 
     def checkpoint_committed(self, step: int) -> None:
         self.metrics.update(last_checkpoint_unix_s=time.time())
-        if self.state.checkpoints_failing_since is not None:
-            self.emit("checkpoints_resumed", step=step,
-                      failing_since_step=self.state.checkpoints_failing_since)
-            self.state.checkpoints_failing_since = None
+        if (failing_since := self.state.checkpoint_committed()) is not None:
+            self.emit("checkpoints_resumed", step=step, failing_since_step=failing_since)
             self.metrics.update(checkpoints_failing_since_step=0)
         self.save()                        # with the step reached: `status` is never behind the checkpoints
 
@@ -131,7 +128,7 @@ class Ledger:
         self.log.emit(event, level=level, **fields)
 
     def set_status(self, status: str, text: str = "") -> None:
-        self.state.status = status
+        self.state.set_status(status)
         self.metrics.update(status=status)
         self.save()
         if text:
@@ -149,15 +146,15 @@ class Ledger:
         """The incident that ends this generation, saved before the teardown: a daemon killed before
         it decides leaves it for the next one to decide (never lost to a kill -9)."""
         if incident is not None:
-            self.state.undecided = incident.to_dict()
+            self.state.hold_undecided(incident)
             self.save()
 
-    def record(self, record: IncidentRecord, event: str, level: str) -> None:
-        """An incident (with its decision, if any) into state.json, the metrics and the log."""
+    def record(self, record: IncidentRecord, event: str, level: str, *,
+               in_force: tuple[dict[str, Any], Recovery | None] | None = None) -> None:
+        """An incident (with its decision, if any) into state.json (RunState.apply_incident, which
+        `in_force` is passed to), the metrics and the log."""
         self.metrics.count_incident(record.kind.value)
-        self.state.incidents.append(record)
-        if record.action is not None:
-            self.state.undecided = None
+        self.state.apply_incident(record, in_force=in_force)
         self.save()
         self.emit(event, level=level, **record.log_fields())
 
@@ -174,8 +171,7 @@ class Ledger:
                 self.emit("control_rejected", level="warning", file=req.file, detail=req.reason)
                 continue
             self.emit("control", name=req.name, file=req.file, body=req.body or None)
-            self.state.last_control = {"name": req.name, "file": req.file, "unix_s": time.time(),
-                                       "reason": req.body.get("reason")}
+            self.state.take_control(name=req.name, file=req.file, unix_s=time.time(), reason=req.body.get("reason"))
             self.save()
             taken.append(req)
         return taken
@@ -201,10 +197,10 @@ class Ledger:
             self.notify.status(f"step {ev.step}/{self.total_steps} loss {ev.loss:.4f} {ev.tokens_per_s:.0f} tokens/s "
                                f"generation {self.state.generation}")
         # always in memory, so that every save (a commit, a pause, a stop, the exit) records the last step
-        self.state.last_progress = {"step": ev.step, "loss": ev.loss, "lr": ev.lr, "tokens": ev.tokens,
-                                    "tokens_per_s": ev.tokens_per_s, "unix_s": time.time(),
-                                    "mean_step_s": sum(self.step_times) / len(self.step_times)
-                                    if self.step_times else None}
+        self.state.note_progress({"step": ev.step, "loss": ev.loss, "lr": ev.lr, "tokens": ev.tokens,
+                                  "tokens_per_s": ev.tokens_per_s, "unix_s": time.time(),
+                                  "mean_step_s": sum(self.step_times) / len(self.step_times)
+                                  if self.step_times else None})
         if log:
             mean = self.state.last_progress["mean_step_s"]
             eta = round(max(0, self.total_steps - ev.step) * mean, 1) if mean and self.total_steps else None

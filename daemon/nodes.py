@@ -132,7 +132,7 @@ class Nodes:
                            lambda: {"after": max(ledger.state.generation, self.joined_at or 0)}, need_leader=True)
         if g is None:
             return None
-        ledger.state.config_changes = dict(g.get("config_changes") or {})
+        ledger.state.set_config_changes(g.get("config_changes") or {})
         members = tuple(g["members"])
         self._set_generation(ledger, g["number"], members)
         return Opened(g["number"], int(g["port"]), int(g["resume_step"]),
@@ -181,8 +181,7 @@ class Nodes:
         return tuple(range(slot * per_node, (slot + 1) * per_node))
 
     def _set_generation(self, ledger: Ledger, number: int, members: tuple[int, ...]) -> None:
-        ledger.state.generation = number - 1
-        ledger.next_generation()
+        ledger.next_generation(number)
         self.members = members
 
     def _missing(self) -> dict:

@@ -5,14 +5,15 @@ events — and the reading of `events.jsonl` with its rotated backups, oldest
 first. What the log gives back: the incident history (each `incident` and
 `health_warning` event carries an IncidentRecord's fields), the generation
 count (the highest `generation` seen), the restarts, the config changes and
-the recovery directive (recomputed from the incidents' actions, the way
-daemon.recovery made them), a rollback decided but not carried out, the last
-control request and the last progress. What it does not hold stays empty:
-the processes of the last generation (a dead daemon's leftover ranks are
-then not killed by pid), the tokens per step (no ETA until the next
-progress) and a checkpoint failure in progress (said again at the next
-failed save). Reads files, writes none, starts nothing: setting the bad file
-aside and saving the result is the Ledger's.
+the recovery directive (recomputed from the incidents' actions by
+RunState.apply_incident, the method the live daemon records them with), a
+rollback decided but not carried out, the last control request and the last
+progress — each through the RunState method the live daemon calls for it.
+What it does not hold stays empty: the processes of the last generation (a
+dead daemon's leftover ranks are then not killed by pid), the tokens per
+step (no ETA until the next progress) and a checkpoint failure in progress
+(said again at the next failed save). Reads files, writes none, starts
+nothing: setting the bad file aside and saving the result is the Ledger's.
 """
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from daemon import policy
 from daemon.eventlog import non_finite_floats, ts_unix_s
-from daemon.incidents import IncidentRecord, Restart, Rollback
+from daemon.incidents import IncidentRecord
 from daemon.state import RunState
 
 COUNTS = ("events", "incidents", "warnings", "rollbacks", "restarts", "unreadable")
@@ -33,13 +33,15 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
     found: events read, incidents, warnings, rollbacks, restarts, incident events that did not parse."""
     state, counts = RunState(), dict.fromkeys(COUNTS, 0)
     restarts_total = 0          # the running total the last `restart` event says (older files may be gone)
+    without_progress = 0        # the restarts without progress the last `restart` event says
     decided_in = 0              # the generation whose incident decided the pending rollback
     for e in events:
         counts["events"] += 1
         generation = _int(e.get("generation"), 0)
-        state.generation = max(state.generation, generation)
-        if generation > decided_in:         # a later generation ran: the rollback was done (its event lost)
-            state.pending_rollback = None
+        if generation > state.generation:
+            state.next_generation(generation)
+        if generation > decided_in and state.pending_rollback is not None:
+            state.rollback_done()           # a later generation ran: the rollback was done (its event lost)
         name = e.get("event")
         if name in ("incident", "health_warning"):
             try:
@@ -48,36 +50,26 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
             except (KeyError, TypeError, ValueError):
                 counts["unreadable"] += 1
                 continue
-            _take(state, record)
+            state.apply_incident(record)
             counts["incidents" if name == "incident" else "warnings"] += 1
             if record.is_rollback:
                 counts["rollbacks"] += 1
                 decided_in = record.generation
         elif name == "rollback":            # the renames of the recorded rollback were done
-            state.pending_rollback = None
+            state.rollback_done()
         elif name == "restart":
             counts["restarts"] += 1
             restarts_total = _int(e.get("restarts"), restarts_total)
-            state.restarts_without_progress = _int(e.get("restarts_without_progress"), 0)
+            without_progress = _int(e.get("restarts_without_progress"), 0)
         elif name == "control":
             body = e.get("body") if isinstance(e.get("body"), dict) else {}
-            state.last_control = {"name": e.get("name"), "file": e.get("file"), "unix_s": _unix_s(e.get("ts")),
-                                  "reason": body.get("reason")}
+            state.take_control(name=e.get("name"), file=e.get("file"), unix_s=_unix_s(e.get("ts")),
+                               reason=body.get("reason"))
         elif name == "progress":
-            state.last_progress = non_finite_floats({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
-                                                     "unix_s": _unix_s(e.get("ts"))})
-    state.restarts = max(counts["restarts"], restarts_total)
+            state.note_progress(non_finite_floats({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
+                                                   "unix_s": _unix_s(e.get("ts"))}))
+    state.restore_restarts(restarts=max(counts["restarts"], restarts_total), without_progress=without_progress)
     return state, counts
-
-
-def _take(state: RunState, record: IncidentRecord) -> None:
-    """One incident into the state, as daemon.recovery.decide_and_record put it there."""
-    state.incidents.append(record)
-    if isinstance(record.action, Restart):
-        state.config_changes.update(record.action.config_changes)
-    elif isinstance(record.action, Rollback):
-        state.recovery = policy.merge_recovery(state.recovery, record.action)
-        state.pending_rollback = record.action.checkpoint_step      # until its `rollback` event
 
 
 def _int(value: Any, default: int) -> int:

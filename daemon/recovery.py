@@ -19,7 +19,7 @@ from checkpointing import layout
 from contracts.config import Config, HealthConfig, with_changes
 from contracts.protocol import ExitCode, Recovery
 from daemon import policy
-from daemon.incidents import Action, Halt, Incident, IncidentRecord, Restart, Rollback
+from daemon.incidents import Action, Halt, Incident, IncidentRecord, Rollback
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
 
@@ -40,26 +40,27 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     steps = files.committed_steps()                 # one scan of the manifests serves both
     committed = steps[-1] if steps else 0
     if incident.kind.is_process_fault:
-        progressed = committed > state.last_committed_step
-        state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
-    state.last_committed_step = committed
+        state.count_restart_progress(committed)
+    state.set_last_committed(committed)
     history = _history(ledger, steps)
     action = policy.decide(incident, history, cfg.health, cfg.train)
-    state.status = "gave_up" if isinstance(action, Halt) else "restarting"
-    if isinstance(action, Restart):
-        state.config_changes.update(action.config_changes)
-    elif isinstance(action, Rollback):
-        state.recovery = policy.merge_recovery(state.recovery, action)
-        state.pending_rollback = action.checkpoint_step
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
-    ledger.record(record, "incident", "error")              # on disk before anything is done
+    _record_decision(ledger, record)                        # on disk before anything is done
     resume = committed
     if isinstance(action, Rollback):
         resume = finish_rollback(ledger, files, cause=incident.kind.value, reason=action.reason,
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
     return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume)
+
+
+def _record_decision(ledger: Ledger, record: IncidentRecord, *,
+                     in_force: tuple[dict, Recovery | None] | None = None) -> None:
+    """A decided incident into state.json, the same on node 0 and on the others (RunState.apply_incident:
+    its config changes, recovery directive and pending rollback; `in_force`: node 0's, taken as they are)."""
+    ledger.state.set_status("gave_up" if isinstance(record.action, Halt) else "restarting")
+    ledger.record(record, "incident", "error", in_force=in_force)
 
 
 def _history(ledger: Ledger, steps: list[int]) -> policy.RunHistory:
@@ -81,9 +82,9 @@ def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
         for step in layout.committed_steps(memory):
             if step > state.pending_rollback:
                 layout.retire(memory, step)
-    resume = state.last_committed_step = files.committed_step()
+    resume = files.committed_step()
+    state.rollback_done(resume)
     ledger.emit("rollback", level="warning", checkpoint_step=resume, rolled_back_steps=moved, **fields)
-    state.pending_rollback = None
     ledger.save()
     return resume
 
@@ -103,7 +104,7 @@ def give_up(decision: Decision, ledger: Ledger, files: RunFiles) -> int:
 def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> None:
     """The next generation is coming after `backoff_s`: counted, saved, told."""
     state, incident = ledger.state, decision.record.incident
-    state.restarts += 1
+    state.count_restart()
     ledger.save()
     ledger.metrics.update(restarts=state.restarts)
     ledger.notify.status(f"restarting after {incident.kind.value} from step {decision.resume_step} "
@@ -145,15 +146,14 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     record = IncidentRecord.from_dict(published["record"])
     steps = files.committed_steps()
     if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as node 0's
-        progressed = (steps[-1] if steps else 0) > state.last_committed_step
-        state.restarts_without_progress = 0 if progressed else state.restarts_without_progress + 1
-    state.last_committed_step = record.committed_step if record.committed_step is not None else state.last_committed_step
+        state.count_restart_progress(steps[-1] if steps else 0)
+    if record.committed_step is not None:
+        state.set_last_committed(record.committed_step)
     history = _history(ledger, steps)
     own = policy.decide(record.incident, history, cfg.health, cfg.train)
-    state.status = "gave_up" if isinstance(record.action, Halt) else "restarting"
-    state.config_changes = dict(published.get("config_changes") or {})
-    state.recovery = Recovery.from_dict(published["recovery"]) if published.get("recovery") else None
-    ledger.record(record, "incident", "error")
+    _record_decision(ledger, record, in_force=(
+        published.get("config_changes") or {},
+        Recovery.from_dict(published["recovery"]) if published.get("recovery") else None))
     # the skip window comes from the sample ranges a daemon has seen: a follower whose step datagrams of the
     # incident's last steps had not come in yet would decide a shorter one, and that is no disagreement
     seen_all = all(step in history.sample_ranges

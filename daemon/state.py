@@ -7,6 +7,12 @@ not what this module writes (not JSON, not an object, a field of the wrong
 type, an incident that cannot be parsed) is a `StateCorruptError`, never a
 half-loaded state; the daemon then sets it aside (`set_aside`) and rebuilds
 it from the event log (daemon.rebuild).
+
+Owns RunState and every change to it: its fields are assigned only by its
+own methods, here (tests/unit/test_state_owner.py holds the other modules to
+that). The live daemon (daemon.ledger, daemon.recovery, the supervisor) and
+the rebuild from the event log call the same methods, so an incident, a
+generation or a control request changes a live state and a rebuilt one alike.
 """
 from __future__ import annotations
 
@@ -17,12 +23,13 @@ import time
 import types
 import typing
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from contracts.errors import DataError
 from contracts.protocol import Recovery
 from daemon.eventlog import non_finite_floats, strict_json
-from daemon.incidents import IncidentRecord
+from daemon.incidents import Incident, IncidentRecord, Restart, Rollback
+from daemon.policy import merge_recovery
 from durable import fsync_path, write_atomically
 
 STATE_FILE = "state.json"
@@ -95,6 +102,108 @@ class RunState:
         fields["last_progress"] = non_finite_floats(fields.get("last_progress") or {})
         return cls(**fields)
 
+    # How the run's state changes ----------------------------------------------------------------------
+    def begin(self, *, daemon_pid: int, total_steps: int, log_dir: str, now_s: float) -> None:
+        """A daemon takes the run over: its pid, the run's length and where its logs are; it has no
+        processes yet. The run's start stays its first daemon's."""
+        self.processes = []
+        self.daemon_pid = daemon_pid
+        self.set_run(total_steps=total_steps, log_dir=log_dir)
+        self.started_unix_s = self.started_unix_s or now_s
+
+    def set_run(self, *, total_steps: int, log_dir: str) -> None:
+        """The run's length and where its logs are (what a state rebuilt from the log cannot know)."""
+        self.total_steps, self.log_dir = total_steps, log_dir
+
+    def next_generation(self, number: int | None = None) -> int:
+        """A generation begins: the one after the last, or `number` (a multi-node run's, as node 0
+        published it; in the rebuild, the highest the log shows). Returns its number."""
+        self.generation = self.generation + 1 if number is None else number
+        return self.generation
+
+    def set_status(self, status: str) -> None:
+        self.status = status
+
+    def set_processes(self, records: Sequence[dict[str, Any]]) -> None:
+        """This node's processes now (ranks, scheduler, standby): a later daemon ends them if this one dies."""
+        self.processes = list(records)
+
+    def set_last_committed(self, step: int) -> None:
+        """The newest committed checkpoint as the run goes on from here (a generation's start, a decision,
+        a rollback carried out)."""
+        self.last_committed_step = step
+
+    def count_restart_progress(self, committed_step: int) -> None:
+        """A process fault ended a generation: one more restart without progress, unless a checkpoint
+        newer than `last_committed_step` was committed since."""
+        progressed = committed_step > self.last_committed_step
+        self.restarts_without_progress = 0 if progressed else self.restarts_without_progress + 1
+
+    def count_restart(self) -> int:
+        self.restarts += 1
+        return self.restarts
+
+    def restore_restarts(self, *, restarts: int, without_progress: int) -> None:
+        """The rebuild: the restart counts as the event log last told them."""
+        self.restarts, self.restarts_without_progress = restarts, without_progress
+
+    def hold_undecided(self, incident: Incident) -> None:
+        """The incident that ended a generation, kept until a decision on it is applied."""
+        self.undecided = incident.to_dict()
+
+    def apply_incident(self, record: IncidentRecord, *,
+                       in_force: tuple[Mapping[str, Any], Recovery | None] | None = None) -> None:
+        """An incident and the action taken on it (a warning: none) into the state: the one place this
+        is done, for the decision just made (daemon.recovery), for node 0's decision on another node,
+        and for each incident of the event log in the rebuild (daemon.rebuild). A decided incident is
+        no longer undecided; a restart's config changes add to those in force; a rollback merges into
+        the recovery directive and is pending until its renames are done (`rollback_done`).
+        `in_force`: node 0's config changes and recovery directive after its decision, which another
+        node takes as they are (its own history may be shorter); node 0 alone carries out rollbacks."""
+        self.incidents.append(record)
+        action = record.action
+        if action is not None:
+            self.undecided = None
+        if in_force is not None:
+            self.config_changes, self.recovery = dict(in_force[0]), in_force[1]
+        elif isinstance(action, Restart):
+            self.config_changes.update(action.config_changes)
+        elif isinstance(action, Rollback):
+            self.recovery = merge_recovery(self.recovery, action)
+            self.pending_rollback = action.checkpoint_step
+
+    def rollback_done(self, resume_step: int | None = None) -> None:
+        """The pending rollback's renames are done; the run resumes from `resume_step` (None: not known,
+        as in the rebuild, which only learns that it was done)."""
+        self.pending_rollback = None
+        if resume_step is not None:
+            self.last_committed_step = resume_step
+
+    def set_config_changes(self, changes: Mapping[str, Any]) -> None:
+        """Another node: node 0's config changes, as it published them with a generation."""
+        self.config_changes = dict(changes)
+
+    def checkpoint_failed(self, step: int) -> bool:
+        """A save failed at `step`. True if it is the first since the last commit (a failing spell begins)."""
+        if self.checkpoints_failing_since is not None:
+            return False
+        self.checkpoints_failing_since = step
+        return True
+
+    def checkpoint_committed(self) -> int | None:
+        """A checkpoint was committed: a failing spell ends. Returns the step it began at (None: none)."""
+        since, self.checkpoints_failing_since = self.checkpoints_failing_since, None
+        return since
+
+    def take_control(self, *, name: str, file: str, unix_s: float, reason: str | None) -> None:
+        """The last control request taken (status shows it)."""
+        self.last_control = {"name": name, "file": file, "unix_s": unix_s, "reason": reason}
+
+    def note_progress(self, progress: Mapping[str, Any]) -> None:
+        """The last progress of the run: step, loss, lr, tokens per second, when (status's ETA)."""
+        self.last_progress = dict(progress)
+
+    # Persistence ------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["incidents"] = [r.to_dict() for r in self.incidents]

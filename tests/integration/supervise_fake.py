@@ -29,8 +29,8 @@ def _arm(point: str) -> None:
 
     if point == "recorded":
         record = Ledger.record
-        Ledger.record = lambda self, rec, event, level: (record(self, rec, event, level),
-                                                         event == "incident" and _die())
+        Ledger.record = lambda self, rec, event, level, **kw: (record(self, rec, event, level, **kw),
+                                                               event == "incident" and _die())
     elif point == "mid_rollback":
         def roll_back_one(root, target):
             later = [s for s in layout.committed_steps(root) if s > target]

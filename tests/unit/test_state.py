@@ -122,6 +122,49 @@ def test_rotated_logs_are_read_oldest_first_and_torn_lines_passed_over(tmp_path)
     assert rebuild.read_events(log) == EVENTS
 
 
+# RunState's own methods (the only way the state changes) -----------------------------------------
+
+def test_the_live_path_and_the_rebuild_apply_an_incident_alike():
+    """RunState.apply_incident is the one place an incident changes the state: the Ledger calls it live,
+    the rebuild for each incident event; fed the same records, they agree."""
+    rebuilt, _ = rebuild.state_from_events(EVENTS)
+    live = RunState()
+    live.hold_undecided(rebuilt.incidents[1].incident)
+    for record in rebuilt.incidents:
+        live.apply_incident(record)
+    assert live.undecided is None                                       # a decided incident is no longer held
+    assert (live.incidents, live.config_changes, live.recovery, live.pending_rollback) == (
+        rebuilt.incidents, rebuilt.config_changes, rebuilt.recovery, rebuilt.pending_rollback)
+    live.rollback_done(50)
+    assert live.pending_rollback is None and live.last_committed_step == 50
+
+
+def test_another_node_takes_node_0s_changes_and_directive_as_they_are_and_holds_no_rollback():
+    state = RunState(config_changes={"train.recompute": True})
+    record = rebuild.state_from_events(EVENTS)[0].incidents[1]          # the spike, rolled back
+    directive = Recovery(checkpoint_step=25, skip_ranges=((1, 2), (232, 264)))
+    state.apply_incident(record, in_force=({"train.micro_batch": 4}, directive))
+    assert state.config_changes == {"train.micro_batch": 4} and state.recovery == directive
+    assert state.pending_rollback is None and state.incidents == [record]
+
+
+def test_a_failing_spell_of_checkpoints_begins_once_and_ends_at_a_commit():
+    state = RunState()
+    assert [state.checkpoint_failed(40), state.checkpoint_failed(50)] == [True, False]
+    assert state.checkpoint_committed() == 40 and state.checkpoint_committed() is None
+    assert state.checkpoints_failing_since is None
+
+
+def test_restarts_count_against_progress_until_a_newer_checkpoint_is_committed():
+    state = RunState()
+    state.set_last_committed(20)
+    state.count_restart_progress(20)
+    state.count_restart_progress(20)
+    assert state.restarts_without_progress == 2
+    state.count_restart_progress(30)
+    assert state.restarts_without_progress == 0 and state.count_restart() == 1
+
+
 # Strict JSON ------------------------------------------------------------------------------------
 
 def test_non_finite_floats_are_written_as_strings_and_read_back(tmp_path):
