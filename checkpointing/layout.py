@@ -12,7 +12,7 @@ The RAM tier of a run (checkpoint.memory_interval_steps) is a root of the same
 layout on a tmpfs: `memory_root`. Its writer recycles: a checkpoint it retires
 leaves its shards in `.spare/`, and each rank's next save moves its own shard
 from there into its `.tmp` and writes over it (on a tmpfs a new file's pages
-cost 5x the writing itself). A spare is never part of a checkpoint: it is
+cost several times the writing itself). A spare is never part of a checkpoint: it is
 moved out after the retiring rename, and in before the commit's.
 """
 from __future__ import annotations

@@ -7,9 +7,9 @@ down; the writer's events and one "done" per save coming back.
 
 Why a process: a ShardWriter's thread holds the GIL for its Python (the marker, the manifest,
 the commit's file calls) and, at nice 19 on cores the step keeps busy, is descheduled while
-holding it, so the training thread waited for it: the step after each RAM save on tiny ran
-~2.7 ms slower, most of the RAM tier's cost (measured; copying the tensors, or pausing as long,
-cost the next step nothing). A child under SCHED_IDLE takes only cycles no other task wants and
+holding it, so the training thread waited for it: the step after each RAM save ran slower, most
+of the RAM tier's cost (copying the tensors, or pausing as long, cost the next step nothing;
+bench/ram_tier.py). A child under SCHED_IDLE takes only cycles no other task wants and
 can never hold the trainer's lock.
 
 The files, their protocol and the events are ShardWriter's exactly (the child runs one). Its

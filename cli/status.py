@@ -93,7 +93,7 @@ def _live_nodes(run_dir: Path) -> dict[int, str] | None:
     config: its coordinator and key prefix); None when that cannot be read or etcd does not answer."""
     from contracts.config import load_config
     from contracts.errors import ConfigError
-    from daemon.etcd import Etcd, EtcdError
+    from daemon.etcd_client import Etcd, EtcdError
 
     try:
         cfg = load_config(run_dir / "config.resolved.toml", [])

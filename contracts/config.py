@@ -184,7 +184,7 @@ class ParallelConfig:
                                      # (`llm-pretrain plan`) says cannot fit
     local_reduce: bool = True      # CPU data parallel with every rank on one machine: sum gradients through
                                    # /dev/shm (engine/training/local_reduce.py) instead of MindSpore's AllReduce, and
-                                   # under the daemon form no MindSpore cluster (daemon/cluster.py); false:
+                                   # under the daemon form no MindSpore cluster (daemon/mindspore_env.py); false:
                                    # MindSpore's cluster and AllReduce (no effect on Ascend or across nodes)
     bind_cores: bool = True        # CPU, several ranks on one machine as a local group (local_reduce): each
                                    # rank's threads bound to its own share of the cores this process may use

@@ -180,7 +180,7 @@ class LrOverride:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Recovery:
+class RecoveryDirective:
     """What the policy decided for the generations after a rollback, applied by each rank after its
     restore (the supervisor writes it as `<run.dir>/recovery.json` before each generation).
 
@@ -207,7 +207,7 @@ class Recovery:
         return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Recovery":
+    def from_dict(cls, d: dict[str, Any]) -> "RecoveryDirective":
         return cls(checkpoint_step=int(d["checkpoint_step"]),
                    skip_ranges=tuple((int(a), int(b)) for a, b in d.get("skip_ranges", [])),
                    lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides", [])),
@@ -216,7 +216,7 @@ class Recovery:
                    quarantined_blocks=tuple((str(f), int(b)) for f, b in d.get("quarantined_blocks", [])))
 
     @classmethod
-    def from_json(cls, text: str) -> "Recovery":
+    def from_json(cls, text: str) -> "RecoveryDirective":
         return cls.from_dict(json.loads(text))
 
 
@@ -231,7 +231,7 @@ ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 
 ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
-# A local group (daemon/cluster.py): ranks on one machine with no MindSpore cluster, summing through shared memory
+# A local group (daemon/mindspore_env.py): ranks on one machine with no MindSpore cluster, summing through shared memory
 ENV_LOCAL_GROUP = "LLM_PRETRAIN_LOCAL_GROUP"     # path prefix of the group's shared-memory files
 ENV_LOCAL_RANK = "LLM_PRETRAIN_LOCAL_RANK"       # this rank, 0 .. world - 1
 ENV_LOCAL_WORLD = "LLM_PRETRAIN_LOCAL_WORLD"     # the ranks in the group

@@ -10,7 +10,8 @@ file: a symbolic link (never followed, whatever it points to), a directory, a
 FIFO — is renamed `.<file>.rejected` and reported; an unknown name is reported
 once and left alone. Bodies are read up to the cap, never whole; an entry that
 vanishes midway is simply gone: nothing here may crash or block the daemon.
-Pure file work: the supervisor decides what a request does.
+File work, and the intake that hands each request to the ledger: the supervisor decides what a
+request does.
 """
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from contracts.protocol import InjectRequest
 from durable import write_atomically
+
+if TYPE_CHECKING:
+    from daemon.ledger import Ledger
 
 MAX_BODY_BYTES = 65536
 SCAN_EVERY_S = 2.0          # scanned when the watcher flags a change, and at least this often
@@ -137,6 +141,18 @@ class ControlDir:
             self._observer.stop()
             self._observer.join(timeout=2)
             self._observer = None
+
+    def intake(self, ledger: Ledger) -> list[Request]:
+        """The control intake, every tick: new requests, each noted by the ledger (logged, and remembered
+        as the run's last request); a rejected file reported as a `control_rejected` event."""
+        taken = []
+        for req in self.poll(time.monotonic()):
+            if isinstance(req, Rejected):
+                ledger.emit("control_rejected", level="warning", file=req.file, detail=req.reason)
+                continue
+            ledger.note_control(req)
+            taken.append(req)
+        return taken
 
     def poll(self, now: float) -> list[Request | Rejected]:
         """`take()` when the watcher flagged a change or SCAN_EVERY_S passed since the last scan."""

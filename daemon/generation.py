@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 from contracts.config import Config
 from contracts.protocol import MAX_SOCKET_PATH_BYTES, decode_event
-from daemon import cluster, device_oom, memcg
+from daemon import device_oom, memcg, mindspore_env
 
 STACK_DUMP_WAIT_S = 1.0     # for faulthandler in each rank to write its stacks
 
@@ -181,7 +181,7 @@ def end_previous_daemons_leftovers(records: Sequence[dict], grace_s: float) -> l
     """At a daemon's start: the workers a killed daemon left (kill_orphans; returns those it had to
     kill) and the shared-memory files of local groups whose daemon is gone."""
     killed = kill_orphans(records, grace_s) if records else []
-    cluster.remove_dead_daemons_group_files()
+    mindspore_env.remove_dead_daemons_group_files()
     return killed
 
 
@@ -250,7 +250,7 @@ class Generation:
             return standby.port
         cfg, n = self.cfg, self.number
         self.port = port
-        if cfg.parallel.world_size > 1 and scheduler_cmd and not cluster.is_local_group(cfg):
+        if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg):
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
         for rank in ranks:
             self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
@@ -333,8 +333,8 @@ class Generation:
         stop_all(self.workers, grace_s=self.grace_s)
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
-        if self.port is not None and cluster.is_local_group(self.cfg):
-            cluster.remove_group_files(cluster.local_group_prefix(port=self.port, generation=self.number))
+        if self.port is not None and mindspore_env.is_local_group(self.cfg):
+            mindspore_env.remove_group_files(mindspore_env.local_group_prefix(port=self.port, generation=self.number))
         self.final_memory = self.memory_report()
         for w in self.ranks:
             if w.group is not None:
@@ -348,8 +348,8 @@ def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, ge
     world = cfg.parallel.world_size
     if world == 1:
         return {**base, ENV_GENERATION: str(generation)}
-    if cluster.is_local_group(cfg):
-        return cluster.local_group_env(base, rank=rank, world=world, port=port, generation=generation)
-    return cluster.process_env(base, role=cluster.WORKER, sched_host=cfg.run.master_addr, sched_port=port,
+    if mindspore_env.is_local_group(cfg):
+        return mindspore_env.local_group_env(base, rank=rank, world=world, port=port, generation=generation)
+    return mindspore_env.process_env(base, role=mindspore_env.WORKER, sched_host=cfg.run.master_addr, sched_port=port,
                                worker_num=world, local_worker_num=world // cfg.run.nodes, node_id=rank,
                                generation=generation)

@@ -6,7 +6,7 @@ about it), each step's progress fed to the metrics and, now and then, to
 the log and state.json — so that the loop itself only decides what happens.
 The state itself changes only through RunState's methods (daemon.state);
 the Ledger calls them and saves.
-A corrupt state.json is set aside and rebuilt from the log (daemon.rebuild)
+A corrupt state.json is set aside and rebuilt from the log (daemon.state_rebuild)
 when the Ledger is made, with a `state_rebuilt` error event. No processes,
 no policy.
 """
@@ -18,18 +18,18 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from contracts.protocol import Recovery, StepEvent
-from daemon import rebuild
-from daemon.control import ControlDir, Rejected, Request
+from contracts.protocol import RecoveryDirective, StepEvent
+from daemon import state_rebuild
+from daemon.control import Request
 from daemon.eventlog import EventLog
 from daemon.incidents import Incident, IncidentRecord, Kind
 from daemon.metrics import Metrics
 from daemon.notify import Notifier
 from daemon.state import RunState, StateCorruptError, set_aside
+from daemon.state_file import StateFile
 
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
 STEP_TIMES_KEPT = 50        # recent step times whose mean is status's ETA
-SAVE_RETRY_S = 5.0          # an unsaved state.json is tried again this often
 
 
 class Ledger:
@@ -40,10 +40,9 @@ class Ledger:
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range [a, b)
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
-        self.unsaved_since: float | None = None   # state.json could not be written since then
+        self.state_file = StateFile(run_dir, self.emit)
         self.generation_opened: float | None = None   # the current generation opened, until its first step
         self.disk_space_low = False        # said with a disk_space_low warning; cleared when space comes back
-        self._retried_at = 0.0
 
     def _load(self) -> RunState:
         """state.json; a corrupt one is set aside (never deleted) and rebuilt from the event log, loudly.
@@ -52,8 +51,8 @@ class Ledger:
             return RunState.load(self.run_dir)
         except StateCorruptError as e:
             aside = set_aside(self.run_dir, time.time())
-            events = rebuild.read_events(self.log.path) if self.log.path else []
-            state, counts = rebuild.state_from_events(events)
+            events = state_rebuild.read_events(self.log.path) if self.log.path else []
+            state, counts = state_rebuild.state_from_events(events)
             state.set_run(total_steps=self.total_steps, log_dir=str(self.log.path.parent) if self.log.path else "")
             self.emit("state_rebuilt", level="error", path=str(aside), detail=e.why, rebuilt=counts,
                       generations=state.generation, pending_rollback=state.pending_rollback,
@@ -63,10 +62,7 @@ class Ledger:
     def tick(self, now: float | None = None) -> None:
         """From the loop, every tick: systemd's watchdog; the log files reopened after a SIGHUP."""
         self.notify.tick(now)
-        t = time.monotonic()
-        if self.unsaved_since is not None and t - self._retried_at >= SAVE_RETRY_S:
-            self._retried_at = t
-            self.save()
+        self.state_file.retry(self.state, time.monotonic())
         if self.reopen_requested:
             self.reopen_requested = False
             self.log.reopen()
@@ -85,20 +81,8 @@ class Ledger:
         return self.state.generation
 
     def save(self) -> None:
-        """state.json, atomically. A disk that refuses it (full, read-only, I/O error) never ends the
-        daemon: the state stays in memory, is said to be unsaved, and `tick` tries again."""
-        try:
-            self.state.save(self.run_dir)
-        except OSError as e:
-            if self.unsaved_since is None:
-                self.unsaved_since = time.monotonic()
-                self.emit("state_save_failed", level="error", detail=f"{e.strerror or e}: state.json kept in "
-                          f"memory, written again as soon as the disk takes it")
-            return
-        if self.unsaved_since is not None:
-            self.emit("state_saved", detail=f"state.json written again after "
-                                            f"{time.monotonic() - self.unsaved_since:.0f} s")
-            self.unsaved_since = None
+        """state.json, atomically (a disk that refuses it never ends the daemon: daemon.state_file)."""
+        self.state_file.save(self.state)
 
     def checkpoint_failed(self, step: int, detail: str) -> None:
         """The first failed save since the last commit is a health warning (a full or read-only disk,
@@ -150,7 +134,7 @@ class Ledger:
             self.save()
 
     def record(self, record: IncidentRecord, event: str, level: str, *,
-               in_force: tuple[dict[str, Any], Recovery | None] | None = None) -> None:
+               in_force: tuple[dict[str, Any], RecoveryDirective | None] | None = None) -> None:
         """An incident (with its decision, if any) into state.json (RunState.apply_incident, which
         `in_force` is passed to), the metrics and the log."""
         self.metrics.count_incident(record.kind.value)
@@ -163,18 +147,12 @@ class Ledger:
         self.record(IncidentRecord(incident=incident, generation=self.state.generation, unix_s=time.time()),
                     "health_warning", "warning")
 
-    def take_control(self, control_dir: ControlDir) -> list[Request]:
-        """New control requests, each logged and remembered as the last request; rejected files reported."""
-        taken = []
-        for req in control_dir.poll(time.monotonic()):
-            if isinstance(req, Rejected):
-                self.emit("control_rejected", level="warning", file=req.file, detail=req.reason)
-                continue
-            self.emit("control", name=req.name, file=req.file, body=req.body or None)
-            self.state.take_control(name=req.name, file=req.file, unix_s=time.time(), reason=req.body.get("reason"))
-            self.save()
-            taken.append(req)
-        return taken
+    def note_control(self, request: Request) -> None:
+        """A control request taken (daemon.control.intake): logged, and remembered as the run's last."""
+        self.emit("control", name=request.name, file=request.file, body=request.body or None)
+        self.state.take_control(name=request.name, file=request.file, unix_s=time.time(),
+                                reason=request.body.get("reason"))
+        self.save()
 
     def progress(self, ev: StepEvent, *, log: bool, notify: bool, compiled: bool = False) -> None:
         """A step of the watched rank: its sample range (a later skip's source) and the metrics always;

@@ -6,8 +6,8 @@ generation, restarts, incidents by kind — every kind from the start, at 0 —,
 when the last checkpoint was committed, the run's state, whether the daemon
 is up and how it exited), their rendering, the HTTP endpoint (a daemon
 thread; GET /metrics) and the textfile's atomic rewrite. The exposition format
-is written here rather than with prometheus_client: a dozen series need ~150
-lines of stdlib, the textfile goes through the project's one atomic writer,
+is written here rather than with prometheus_client: a dozen series need little
+stdlib code, the textfile goes through the project's one atomic writer,
 and the daemon takes no dependency for it.
 """
 from __future__ import annotations

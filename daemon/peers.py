@@ -14,7 +14,7 @@ from typing import Callable, Protocol
 
 from contracts.config import Config, with_changes
 from contracts.protocol import ExitCode
-from daemon import cluster, recovery, watch
+from daemon import decisions, mindspore_env, watch
 from daemon.control import Request
 from daemon.incidents import Incident
 from daemon.ledger import Ledger
@@ -75,7 +75,7 @@ class Peers(Protocol):
         """An incident that ended a generation but was not decided (its decider died): decided first."""
 
     def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
-                stopping: Callable[[], bool]) -> recovery.Decision | None:
+                stopping: Callable[[], bool]) -> decisions.Decision | None:
         """The recovery decision for an incident: made here by the leader, awaited by the others."""
 
     def finish(self, code: int, status: str) -> None:
@@ -100,7 +100,7 @@ class Alone:
         n = ledger.next_generation()
         cfg = with_changes(base, ledger.state.config_changes)
         resume = files.prepare_generation(cfg, ledger.state.recovery)
-        return Opened(n, cfg.run.master_port or cluster.free_port(cfg.run.master_addr), resume, cfg,
+        return Opened(n, cfg.run.master_port or mindspore_env.free_port(cfg.run.master_addr), resume, cfg,
                       tuple(files.local_ranks))
 
     def cut_off(self, now: float) -> bool:
@@ -127,8 +127,8 @@ class Alone:
         return Incident.from_dict(held) if held else None
 
     def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
-                stopping: Callable[[], bool]) -> recovery.Decision | None:
-        return recovery.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
+                stopping: Callable[[], bool]) -> decisions.Decision | None:
+        return decisions.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
 
     def finish(self, code: int, status: str) -> None:
         pass

@@ -24,7 +24,7 @@ import dataclasses
 from typing import Callable, Sequence
 
 from contracts.config import HealthConfig, TrainConfig
-from contracts.protocol import ExitCode, LrOverride, Recovery
+from contracts.protocol import ExitCode, LrOverride, RecoveryDirective
 from daemon.incidents import Action, Halt, Incident, Kind, Restart, Rollback
 
 NUMERIC = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
@@ -155,7 +155,7 @@ RULES: dict[Kind, Rule] = {
 }
 
 
-def merge_recovery(previous: Recovery | None, rollback: Rollback) -> Recovery:
+def merge_recovery(previous: RecoveryDirective | None, rollback: Rollback) -> RecoveryDirective:
     """The directive after `rollback`: skip ranges accumulate; the lr override list is the policy's
     (it compounds earlier cuts) or, when it decided none (an fp16 storm), the one in force; a new
     loss scale cap replaces the old, else the old one carries on."""
@@ -170,6 +170,6 @@ def merge_recovery(previous: Recovery | None, rollback: Rollback) -> Recovery:
     else:
         cap, until = None, 0
     quarantined = sorted({*(previous.quarantined_blocks if previous else ()), *rollback.quarantine})
-    return Recovery(checkpoint_step=rollback.checkpoint_step, skip_ranges=tuple(skips), lr_overrides=lr,
+    return RecoveryDirective(checkpoint_step=rollback.checkpoint_step, skip_ranges=tuple(skips), lr_overrides=lr,
                     loss_scale=rollback.loss_scale, loss_scale_cap=cap, loss_scale_cap_until_step=until,
                     quarantined_blocks=tuple(quarantined))

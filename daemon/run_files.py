@@ -17,8 +17,15 @@ from typing import Mapping, Sequence
 
 from checkpointing import CheckpointError, layout, reader, retention
 from contracts.config import Config, to_toml, with_changes
-from contracts.protocol import ENV_COMMANDS, ENV_EVENT_SOCKET, ENV_MEMORY_LIMIT, ENV_RECOVERY, Command, Recovery
-from daemon import cluster
+from contracts.protocol import (
+    ENV_COMMANDS,
+    ENV_EVENT_SOCKET,
+    ENV_MEMORY_LIMIT,
+    ENV_RECOVERY,
+    Command,
+    RecoveryDirective,
+)
+from daemon import mindspore_env
 from daemon.generation import worker_env
 from daemon.incidents import IncidentRecord
 from daemon.policy import newest_healthy
@@ -85,7 +92,7 @@ class RunFiles:
         return steps[-1] if steps else 0
 
     # A generation's files ----------------------------------------------------------------------
-    def prepare_generation(self, cfg: Config, recovery: Recovery | None) -> int:
+    def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None) -> int:
         """The resolved config, the recovery directive and an empty commands file, ready for the ranks;
         returns the step they resume from."""
         resolved = with_changes(cfg, {"run.dir": str(self.run_dir), "run.log_dir": str(self.log_dir)})
@@ -123,7 +130,7 @@ class RunFiles:
 
     def scheduler_env(self, env: Mapping[str, str], cfg: Config, *, port: int, generation: int) -> dict[str, str]:
         world = cfg.parallel.world_size
-        return cluster.process_env(env, role=cluster.SCHEDULER, sched_host=cfg.run.master_addr, sched_port=port,
+        return mindspore_env.process_env(env, role=mindspore_env.SCHEDULER, sched_host=cfg.run.master_addr, sched_port=port,
                                    worker_num=world, local_worker_num=world // cfg.run.nodes, generation=generation)
 
     def compile_cache_dir(self, cfg: Config) -> Path:

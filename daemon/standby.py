@@ -3,8 +3,8 @@
 Owns: when a standby may be used, starting it, handing it its generation, and
 retiring it (the worker's half is engine/rank/standby.py). A restart that finds one
 skips the ranks' interpreter start, MindSpore's import and the dynamic
-cluster's formation — on CPU about 5.5 of the 6 s between a crash and the next
-generation's first step (bench/recovery.py).
+cluster's formation — on CPU most of the time between a crash and the next
+generation's first step (bench/recovery.py; the figures are in the README).
 
 Where it is safe only: the CPU device (on Ascend a standby would claim the
 devices and HCCL of the generation that still trains), one node (another
@@ -25,7 +25,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 from contracts.config import Config
 from contracts.protocol import ENV_STANDBY_FD, PhaseEvent, activation_line
-from daemon import cluster
+from daemon import mindspore_env
 from daemon.generation import Worker, spawn, spawn_rank, stop_all
 
 RETIRE_GRACE_S = 0.5      # a retired standby exits on its own when its pipe closes
@@ -67,10 +67,10 @@ class Standby:
               memcg_parent: tuple[int, Path] | None, cgroup_dir: str) -> "Standby":
         """Starts the processes of generation `number` (as far as anyone can tell now) with `files`'
         environments (a daemon.run_files.RunFiles); they form their cluster and wait."""
-        port = cluster.free_port(cfg.run.master_addr) if cfg.parallel.world_size > 1 else 0
+        port = mindspore_env.free_port(cfg.run.master_addr) if cfg.parallel.world_size > 1 else 0
         standby = cls(cfg, port, tuple(ranks), {}, [], {})
         try:
-            if cfg.parallel.world_size > 1 and scheduler_cmd and not cluster.is_local_group(cfg):
+            if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg):
                 standby.workers.append(spawn(scheduler_cmd, env=files.scheduler_env(env, cfg, port=port, generation=number),
                                              role="scheduler", rank=-1, log_path=files.log_dir / "scheduler.log",
                                              parent_death_signal=signal.SIGTERM))   # no ranks may come to end it

@@ -6,11 +6,11 @@ written "nan", as in the event log). Read back strictly too: a file that is
 not what this module writes (not JSON, not an object, a field of the wrong
 type, an incident that cannot be parsed) is a `StateCorruptError`, never a
 half-loaded state; the daemon then sets it aside (`set_aside`) and rebuilds
-it from the event log (daemon.rebuild).
+it from the event log (daemon.state_rebuild).
 
 Owns RunState and every change to it: its fields are assigned only by its
 own methods, here (tests/unit/test_state_owner.py holds the other modules to
-that). The live daemon (daemon.ledger, daemon.recovery, the supervisor) and
+that). The live daemon (daemon.ledger, daemon.decisions, the supervisor) and
 the rebuild from the event log call the same methods, so an incident, a
 generation or a control request changes a live state and a rebuilt one alike.
 """
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from contracts.errors import DataError
-from contracts.protocol import Recovery
+from contracts.protocol import RecoveryDirective
 from daemon.eventlog import non_finite_floats, strict_json
 from daemon.incidents import Incident, IncidentRecord, Restart, Rollback
 from daemon.policy import merge_recovery
@@ -52,7 +52,7 @@ class RunState:
     last_committed_step: int = 0         # newest committed checkpoint when the last generation began
     status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
     incidents: list[IncidentRecord] = dataclasses.field(default_factory=list)   # with the action taken
-    recovery: Recovery | None = None     # the policy's directive in force
+    recovery: RecoveryDirective | None = None     # the policy's directive in force
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
     pending_rollback: int | None = None  # a rollback target decided and recorded, its renames not yet done
     undecided: dict[str, Any] | None = None   # an incident that ended a generation, not yet decided (an Incident)
@@ -96,7 +96,7 @@ class RunState:
                 raise _Invalid(f"incidents[{i}] is not an incident record: {_reason(e)}") from None
         fields["incidents"] = incidents
         try:
-            fields["recovery"] = Recovery.from_dict(fields["recovery"]) if fields.get("recovery") else None
+            fields["recovery"] = RecoveryDirective.from_dict(fields["recovery"]) if fields.get("recovery") else None
         except (KeyError, TypeError, ValueError) as e:
             raise _Invalid(f"recovery is not a recovery directive: {_reason(e)}") from None
         fields["last_progress"] = non_finite_floats(fields.get("last_progress") or {})
@@ -152,10 +152,10 @@ class RunState:
         self.undecided = incident.to_dict()
 
     def apply_incident(self, record: IncidentRecord, *,
-                       in_force: tuple[Mapping[str, Any], Recovery | None] | None = None) -> None:
+                       in_force: tuple[Mapping[str, Any], RecoveryDirective | None] | None = None) -> None:
         """An incident and the action taken on it (a warning: none) into the state: the one place this
-        is done, for the decision just made (daemon.recovery), for node 0's decision on another node,
-        and for each incident of the event log in the rebuild (daemon.rebuild). A decided incident is
+        is done, for the decision just made (daemon.decisions), for node 0's decision on another node,
+        and for each incident of the event log in the rebuild (daemon.state_rebuild). A decided incident is
         no longer undecided; a restart's config changes add to those in force; a rollback merges into
         the recovery directive and is pending until its renames are done (`rollback_done`).
         `in_force`: node 0's config changes and recovery directive after its decision, which another

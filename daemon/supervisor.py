@@ -2,7 +2,7 @@
 
 The main loop of `llm-pretrain run`, shaped like torch elastic's `_invoke_run`: start a generation
 (daemon.generation: the processes) → monitor it (daemon.watch: a pure state machine fed events, exits,
-control requests and the time) → branch on its typed outcome → recover (daemon.recovery: the policy's
+control requests and the time) → branch on its typed outcome → recover (daemon.decisions: the policy's
 decision, on disk before it is carried out) → the next generation, with the config resolved at the
 daemon's start plus the policy's changes (`<run.dir>/config.resolved.toml`). Never imports MindSpore;
 the worker command is an argument (tests use a fake).
@@ -18,7 +18,7 @@ from typing import Mapping, Sequence
 from contracts.config import Config, with_changes
 from contracts.errors import ConfigError
 from contracts.protocol import ExitCode
-from daemon import control, effects_of_watch, memcg, peers, recovery, standby, watch
+from daemon import control, decisions, effects_of_watch, memcg, peers, standby, watch
 from daemon.eventlog import EventLog
 from daemon.generation import Generation, end_previous_daemons_leftovers, socket_path
 from daemon.health import HealthMonitor
@@ -47,7 +47,7 @@ class Supervisor:
         self.monitor = HealthMonitor(cfg.health, precision=cfg.train.precision, loss_scale_min=cfg.train.loss_scale_min)
         self.memcg_parent: tuple[int, Path] | None = None
         self.ledger: Ledger | None = None       # made once the lock is held: it writes into the run
-        self.backoff = recovery.Backoff(cfg.health)
+        self.backoff = decisions.Backoff(cfg.health)
         self.peers: peers.Peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
         self.spare = standby.Keeper(self.files, self.env, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd)
 
@@ -108,7 +108,7 @@ class Supervisor:
                         detail="workers of a previous daemon were still running")
         ledger.begin(total_steps=self.cfg.train.steps, log_dir=self.files.log_dir.resolve())
         if self.state.pending_rollback is not None and self.peers.is_leader:   # recorded by a daemon that died
-            recovery.finish_rollback(ledger, self.files, detail="finishing the rollback a killed daemon had recorded")
+            decisions.finish_rollback(ledger, self.files, detail="finishing the rollback a killed daemon had recorded")
         committed = self.files.committed_step()
         ledger.emit("daemon_start", pid=os.getpid(), run_dir=str(self.files.run_dir), control_watcher=watcher,
                     last_committed_step=committed, metrics=metrics_url)
@@ -187,7 +187,7 @@ class Supervisor:
                 w.on_event(event, now)
             self._apply(w.drain(), gen)
             self.ledger.tick(now)
-            for request in [*self.ledger.take_control(self.control), *self.peers.requests()]:
+            for request in [*self.control.intake(self.ledger), *self.peers.requests()]:
                 if not self.peers.forward(request):        # node 0 writes the ranks' commands for all
                     w.on_control(request, now)
             if (elsewhere := self.peers.hear(n, now)) is not None:
@@ -217,10 +217,10 @@ class Supervisor:
         if decision is None:
             return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested awaiting the decision")
         if isinstance(decision.action, Halt):
-            return recovery.give_up(decision, self.ledger, self.files)
+            return decisions.give_up(decision, self.ledger, self.files)
         self.cfg = decision.cfg
         delay = self.backoff.delay_s(decision, self.state.restarts_without_progress) if self.peers.is_leader else 0
-        recovery.count_restart(decision, self.ledger, backoff_s=delay)
+        decisions.count_restart(decision, self.ledger, backoff_s=delay)
         if self._sleep(delay) == "stop":
             return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested during backoff")
         return None
@@ -246,7 +246,7 @@ class Supervisor:
         deadline = time.monotonic() + seconds
         while True:
             self.ledger.tick()
-            for request in self.ledger.take_control(self.control):
+            for request in self.control.intake(self.ledger):
                 if self.peers.forward(request):
                     continue
                 decision = watch.idle_control(request, paused=paused)

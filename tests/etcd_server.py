@@ -55,7 +55,7 @@ class EtcdServer:
         self.log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
-        from daemon.etcd import Etcd, EtcdError
+        from daemon.etcd_client import Etcd, EtcdError
 
         client = Etcd.from_url(self.url, timeout_s=1.0)
         while True:

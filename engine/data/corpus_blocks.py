@@ -5,8 +5,8 @@ Owns: the block layout (every shard cut into `block_bytes` blocks, the last one 
 running checksum a writer keeps, and the reader's check of a token range — which blocks it
 touches, which of those this epoch has not verified yet, and the error that names the shard,
 the block and both checksums when one fails. A whole-corpus sha256 at open reads every byte
-before the first step; a block is checked only when training first needs it (CRC32C in
-hardware: ~10 GB/s), so a shard altered while a run trains is caught at the step that reads it.
+before the first step; a block is checked only when training first needs it (CRC32C, in
+hardware where the CPU has it, costs little beside the step), so a shard altered while a run trains is caught at the step that reads it.
 No MindSpore here.
 """
 from __future__ import annotations

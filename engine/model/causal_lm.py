@@ -13,16 +13,16 @@ with the config's seed, so every data-parallel rank starts from the same weights
 
 On the CPU (`explicit_broadcast`), no element-wise op broadcasts an operand
 implicitly over activations: MindSpore's CPU Add/Sub/Mul kernels that broadcast
-keep a private buffer of 4-5x their output for the life of the graph (measured:
-a (B,kv,rep,T,T) + (T,T) mask add, RoPE's (T,d) tables, RMSNorm's weight, and
-the Sub in Softmax's stock gradient), which made small-20m's step 8.9 GB. The
+keep a private buffer several times their output for the life of the graph (seen
+on a (B,kv,rep,T,T) + (T,T) mask add, RoPE's (T,d) tables, RMSNorm's weight, and
+the Sub in Softmax's stock gradient), which multiplied small-20m's step memory. The
 smaller operand is broadcast first (`ops.broadcast_to`), Softmax gets a gradient
 written that way, and rotate-half is a ±1 permutation matmul; the numbers are
 bit-identical. Ascend keeps the plain forms, which its parallel strategies name.
 
 On the CPU with `train.fused_kernels` (the default), RMSNorm, the causal softmax (with its scale and
 mask), SwiGLU's product and RoPE are each one C++ kernel forward and one backward (engine/model/fused_cpu.py),
-where MindSpore's CPU graph launches 4-15 small kernels for each; same numbers to float rounding.
+where MindSpore's CPU graph launches many small kernels for each; same numbers to float rounding.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fused CPU kernels for the LLaMA block: RMSNorm, causal softmax, SwiGLU and RoPE, one C++ kernel each
 way (MindSpore Custom "aot" ops with their own gradients; the C++ is engine/model/fused_cpu.cc).
 
-Why: on the CPU each MindSpore kernel costs ~35 us to launch, and the unfused block runs ~90 of them
+Why: on the CPU each MindSpore kernel has a fixed launch cost, and the unfused block runs dozens of them
 per layer (RMSNorm alone: ReduceMean, Add, Rsqrt, two broadcasts and Muls forward, a dozen backward;
 the softmax's mask, scale and gradient another eight), which is more than a small model's math.
 

@@ -6,7 +6,7 @@ Owns: the translation of the config and of msrun's environment variables
 (MS_ROLE, MS_WORKER_NUM, MS_NODE_ID, MS_SCHED_HOST, MS_SCHED_PORT, …) into
 MindSpore context calls, and the check that the cluster MindSpore formed is
 the one the config describes. A local group (the supervisor's data-parallel
-ranks on one CPU machine, daemon/cluster.py) forms no MindSpore cluster: its
+ranks on one CPU machine, daemon/mindspore_env.py) forms no MindSpore cluster: its
 ranks sum through shared memory and take rank and world from the environment.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ class RankInfo:
 
 @dataclasses.dataclass(frozen=True)
 class LocalGroup:
-    """Ranks the supervisor started on this machine without MindSpore's cluster (daemon/cluster.py):
+    """Ranks the supervisor started on this machine without MindSpore's cluster (daemon/mindspore_env.py):
     each knows its rank and the world from the environment, and they sum gradients through shared
     memory under `prefix` (engine/training/local_reduce.py)."""
     rank: int

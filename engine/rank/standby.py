@@ -3,8 +3,8 @@ forms its generation's cluster, then waits for the supervisor to make it a rank.
 
 Owns: the worker's half of a standby (the supervisor's is daemon/standby.py). A
 restart then skips what dominates it on CPU: the interpreter and MindSpore's
-import (~1.5 s) and the dynamic cluster's formation (~4 s, 3 of them a fixed
-sleep inside MindSpore's CPU collectives).
+import and the dynamic cluster's formation (a fixed sleep inside MindSpore's CPU
+collectives among it; the figures are bench/recovery.py's, in the README).
 """
 from __future__ import annotations
 

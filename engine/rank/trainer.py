@@ -27,7 +27,7 @@ from contracts.protocol import (
     DataFaultEvent,
     ExitEvent,
     PhaseEvent,
-    Recovery,
+    RecoveryDirective,
     StepEvent,
 )
 from engine.data import order
@@ -142,8 +142,8 @@ class Trainer:
                          sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
                          tokens_per_s=tokens / step_s, host_s=host_s, sync_s=result.sync_s)
 
-    def apply_recovery(self, recovery: Recovery, restored_step: int) -> int:
-        """The policy's directive after a rollback (see contracts.protocol.Recovery); returns the step
+    def apply_recovery(self, recovery: RecoveryDirective, restored_step: int) -> int:
+        """The policy's directive after a rollback (see contracts.protocol.RecoveryDirective); returns the step
         at which the loss-scale cap it set must be lifted (0: no cap)."""
         from engine.training import loss_scale
 
@@ -362,12 +362,12 @@ def _hold(commands: CommandReader, applied: int, stop: StopSignal, poll_s: float
         time.sleep(poll_s)
 
 
-def _read_recovery(env) -> Recovery | None:
+def _read_recovery(env) -> RecoveryDirective | None:
     path = env.get(ENV_RECOVERY)
     if not path or not os.path.exists(path):
         return None
     with open(path) as f:
-        return Recovery.from_json(f.read())
+        return RecoveryDirective.from_json(f.read())
 
 
 class CheckpointSaveError(RuntimeError):

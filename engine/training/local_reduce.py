@@ -1,8 +1,8 @@
 """Summing data-parallel gradients through shared memory when every rank runs on this machine (CPU).
 
-MindSpore's CPU AllReduce moves about 120 MB/s between two local ranks (its RPC
-transport; measured: 0.7 s for small-20m's 82 MB of gradients, a third of the
-step, so two ranks trained barely faster than one). NCCL and gloo use shared
+MindSpore's CPU AllReduce moves gradients between two local ranks through its RPC
+transport, slowly enough that two ranks of small-20m trained barely faster than one
+(bench/dp_scaling.py; the figures are in the README). NCCL and gloo use shared
 memory inside a machine; so does this: each rank copies its flat buffer into its
 slot of one /dev/shm segment, each sums its share of the buffer over all slots,
 and each reads the whole sum back. Two barriers per step; the sum over slots
@@ -10,7 +10,7 @@ runs in rank order, which for two ranks is the same float sum as a ring's.
 
 The segment and the barrier's FIFOs belong to one group of ranks, named by a
 path prefix:
-- under the supervisor (a local group, daemon/cluster.py: no MindSpore cluster
+- under the supervisor (a local group, daemon/mindspore_env.py: no MindSpore cluster
   at all) the prefix is new for every generation, so every rank creates what is
   missing and opens it, with no barrier; rank 0 unlinks the files after the
   first sum (every rank holds them by then), and the supervisor removes what a

@@ -17,7 +17,7 @@ import mindspore as ms
 from mindspore import Parameter, Tensor, nn, ops
 
 from contracts.config import TrainConfig
-from contracts.protocol import Recovery
+from contracts.protocol import RecoveryDirective
 
 UNCAPPED = float("inf")
 
@@ -30,7 +30,7 @@ class ScalePlan(NamedTuple):
     cap_until_step: int           # ... until this step, when the loop lifts it; 0 when uncapped
 
 
-def after_recovery(recovery: Recovery, *, restored_step: int, step: int) -> ScalePlan:
+def after_recovery(recovery: RecoveryDirective, *, restored_step: int, step: int) -> ScalePlan:
     """The scaler's part of `recovery` for a rank that restored `restored_step` and is now at `step`.
 
     The restart scale was chosen for the rollback target, so it applies only if this rank restored

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.cluster import SCHEDULER, WORKER, free_port, process_env
+from daemon.mindspore_env import SCHEDULER, WORKER, free_port, process_env
 
 
 def events(text: str) -> list[dict]:

@@ -114,17 +114,17 @@ RECOVERY = dict(checkpoint_step=50, loss_scale=1024.0, loss_scale_cap=1024.0, lo
     ({**RECOVERY, "loss_scale": None}, 50, 50, (None, 1024.0, 1050)),
 ])
 def test_what_a_recovery_asks_of_the_loss_scaler(recovery, restored, step, plan):
-    from contracts.protocol import Recovery
+    from contracts.protocol import RecoveryDirective
     from engine.training.loss_scale import after_recovery
 
-    assert after_recovery(Recovery(**recovery), restored_step=restored, step=step) == plan
+    assert after_recovery(RecoveryDirective(**recovery), restored_step=restored, step=step) == plan
 
 
 def test_a_recovery_restarts_caps_and_then_lifts_the_fp16_scale(make_trainer):
-    from contracts.protocol import Recovery
+    from contracts.protocol import RecoveryDirective
 
     trainer = make_trainer('train.precision="fp16"', "train.loss_scale_window_steps=2")
-    recovery = Recovery(checkpoint_step=0, loss_scale=8.0, loss_scale_cap=16.0, loss_scale_cap_until_step=6)
+    recovery = RecoveryDirective(checkpoint_step=0, loss_scale=8.0, loss_scale_cap=16.0, loss_scale_cap_until_step=6)
     assert trainer.apply_recovery(recovery, restored_step=0) == 6
     capped = [trainer.train_step() for _ in range(6)]
     assert not any(e.skipped for e in capped)
@@ -134,10 +134,10 @@ def test_a_recovery_restarts_caps_and_then_lifts_the_fp16_scale(make_trainer):
 
 
 def test_fp32_ignores_the_loss_scale_part_of_a_recovery(make_trainer):
-    from contracts.protocol import Recovery
+    from contracts.protocol import RecoveryDirective
 
     trainer = make_trainer()
-    assert trainer.apply_recovery(Recovery(**RECOVERY), restored_step=50) == 0
+    assert trainer.apply_recovery(RecoveryDirective(**RECOVERY), restored_step=50) == 0
     state = snapshot(trainer)
     assert float(state["loss_scale"]) == 1.0 and float(state["loss_scale_cap"]) == INF
     assert trainer.train_step().loss_scale == 1.0

@@ -131,7 +131,7 @@ def test_a_rank_that_stops_stepping_is_detected_and_restarted(cli, quiet_env, tm
     for rank in (0, 1):     # every live rank's Python stacks, from faulthandler, in its log
         dump = (run / "logs" / f"rank-{rank}.log").read_text().split("most recent call first", 1)
         assert len(dump) == 2, f"no stack dump in rank {rank}'s log"
-        assert re.search(r'engine/worker\.py", line \d+ in train', dump[1][:5000]), dump[1][:2000]
+        assert re.search(r'engine/rank/trainer\.py", line \d+ in loop', dump[1][:5000]), dump[1][:2000]
     assert _named(_events(run), "restart")[0]["cause"] == "hang"
     print(f"hang detection latency: {latency:.1f} s after injection (waited {hang['waited_s']} s, "
           f"timeout {hang['timeout_s']} s)")

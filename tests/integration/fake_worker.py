@@ -43,7 +43,7 @@ from contracts.protocol import (
     Command,
     ExitEvent,
     PhaseEvent,
-    Recovery,
+    RecoveryDirective,
     StepEvent,
     await_activation,
     send_datagram,
@@ -108,7 +108,7 @@ def main() -> int:
         print(f"config {a.config}: {' '.join(keys)}", flush=True)
     recovery = None
     if os.environ.get(ENV_RECOVERY) and os.path.exists(os.environ[ENV_RECOVERY]):
-        recovery = Recovery.from_json(Path(os.environ[ENV_RECOVERY]).read_text())
+        recovery = RecoveryDirective.from_json(Path(os.environ[ENV_RECOVERY]).read_text())
     if faulty and a.die_at_start:
         print("dying at start, as asked", flush=True)
         return 1

@@ -23,7 +23,7 @@ def _die(*_, **__):
 
 def _arm(point: str) -> None:
     from checkpointing import layout
-    from daemon import recovery
+    from daemon import decisions
     from daemon.ledger import Ledger
     from daemon.supervisor import Supervisor
 
@@ -39,11 +39,11 @@ def _arm(point: str) -> None:
             _die()
         layout.roll_back = roll_back_one
     elif point == "rolled_back":
-        recovery.count_restart = _die
+        decisions.count_restart = _die
     elif point == "backoff":
         Supervisor._sleep = _die
     elif point == "detected":                      # the incident known, nothing of it recorded yet
-        recovery.decide_and_record = _die
+        decisions.decide_and_record = _die
     elif point == "opened":                        # the next generation's ranks spawned, no step yet
         from daemon import watch
 

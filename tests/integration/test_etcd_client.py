@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from daemon.etcd import Etcd, EtcdUnavailableError, prefix_end
+from daemon.etcd_client import Etcd, EtcdUnavailableError, prefix_end
 from tests.etcd_server import EtcdServer
 
 

@@ -12,7 +12,6 @@ from tests.integration.test_recovery_policy import QUICK_HEALTH, _steps
 from tests.integration.test_supervisor import _finish, _named, _start
 
 
-
 def _logged(run, name):
     path = run / "logs" / "events.jsonl"
     return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == name] if path.exists() else []
@@ -65,7 +64,7 @@ def test_a_local_group_starts_no_scheduler_and_leaves_no_shared_memory_behind(tm
     """parallel.local_reduce on one CPU machine: the ranks are a local group (no MindSpore cluster), each
     generation with files of its own in /dev/shm, which the daemon removes when the generation ends
     (a rank that died before its first sum leaves them: the fake ranks never unlink them)."""
-    from daemon.cluster import SHM_DIR
+    from daemon.mindspore_env import SHM_DIR
 
     run = tmp_path / "run"
     code, events, err = _finish(_start(run, overrides=[*QUICK_HEALTH, "parallel.local_reduce=true"], ranks=2, fake=[
@@ -84,7 +83,7 @@ def test_a_local_group_starts_no_scheduler_and_leaves_no_shared_memory_behind(tm
 
 
 def test_a_dead_daemons_shared_memory_files_are_removed_by_the_next_one(tmp_path):
-    from daemon.cluster import SHM_DIR
+    from daemon.mindspore_env import SHM_DIR
 
     dead = subprocess.Popen(["true"])
     dead.wait()                                 # a pid no process has now

@@ -45,7 +45,7 @@ def test_an_unwritable_state_is_kept_in_memory_and_written_when_the_disk_takes_i
             if l.startswith("llm_pretrain_checkpoints_failing_since_step{")][0].endswith(" 40")
     run.unlink()
     run.mkdir()
-    ledger._retried_at = 0.0
+    ledger.state_file.retried_at = 0.0
     ledger.tick(now=0.0)
     assert json.loads((run / "state.json").read_text())["generation"] == 3
     assert json.loads(out.getvalue().splitlines()[-1])["event"] == "state_saved"

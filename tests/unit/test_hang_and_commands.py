@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from contracts.config import HealthConfig, load_config
-from contracts.protocol import Command, LrOverride, Recovery
+from contracts.protocol import Command, LrOverride, RecoveryDirective
 from daemon.generation import socket_path
 from daemon.hang import RankProgress, StepTimes, is_hung, timeout_s
 from daemon.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
@@ -99,7 +99,7 @@ def test_run_state_round_trips(tmp_path):
                IncidentRecord(incident=spike, generation=2, unix_s=2.5, committed_step=30,
                               action=Rollback("spike", checkpoint_step=25, skip=(232, 264), lr_overrides=(cut,))),
                IncidentRecord(incident=spike, generation=3, unix_s=3.5, action=Halt("numerics", 4))]
-    recovery = Recovery(checkpoint_step=25, skip_ranges=((232, 264),), lr_overrides=(cut,))
+    recovery = RecoveryDirective(checkpoint_step=25, skip_ranges=((232, 264),), lr_overrides=(cut,))
     state = RunState(generation=3, restarts=2, incidents=records, recovery=recovery)
     state.save(tmp_path)
     back = RunState.load(tmp_path)

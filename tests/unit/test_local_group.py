@@ -1,11 +1,11 @@
-"""When a generation is a local group (no MindSpore cluster; daemon/cluster.py), and what its ranks are told."""
+"""When a generation is a local group (no MindSpore cluster; daemon/mindspore_env.py), and what its ranks are told."""
 import os
 
 import pytest
 
 from contracts.config import load_config
 from contracts.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
-from daemon import cluster
+from daemon import mindspore_env
 from daemon.generation import worker_env
 from engine.rank import runtime
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
       "run.coordinator=\"etcd://127.0.0.1:2379\"", "run.master_port=29500"], False),   # ranks on other machines
 ])
 def test_a_local_group_is_data_parallel_cpu_ranks_on_one_machine_with_the_shared_memory_sum(sets, local):
-    assert cluster.is_local_group(load_config(None, sets)) is local
+    assert mindspore_env.is_local_group(load_config(None, sets)) is local
 
 
 def test_a_local_groups_rank_gets_its_rank_world_and_the_generations_files_and_no_cluster_variables():
@@ -30,11 +30,11 @@ def test_a_local_groups_rank_gets_its_rank_world_and_the_generations_files_and_n
     assert not {"MS_ROLE", "MS_SCHED_PORT", "MS_WORKER_NUM"} & set(env)       # else MindSpore forms a cluster
     assert env["PATH"] == "/bin" and env["GLOG_v"] == "2" and env[ENV_GENERATION] == "3"
     assert (env[ENV_LOCAL_RANK], env[ENV_LOCAL_WORLD]) == ("1", "2")
-    assert env[ENV_LOCAL_GROUP] == str(cluster.local_group_prefix(port=4711, generation=3))
+    assert env[ENV_LOCAL_GROUP] == str(mindspore_env.local_group_prefix(port=4711, generation=3))
     assert runtime.local_group(env) == runtime.LocalGroup(rank=1, world=2, prefix=env[ENV_LOCAL_GROUP])
     assert runtime.is_cluster_member(env)
     # the next generation, or a standby on another port, never meets this one's files
-    assert len({cluster.local_group_prefix(port=p, generation=g) for p, g in [(4711, 3), (4711, 4), (4712, 3)]}) == 3
+    assert len({mindspore_env.local_group_prefix(port=p, generation=g) for p, g in [(4711, 3), (4711, 4), (4712, 3)]}) == 3
     assert f"-{os.getpid()}-" in env[ENV_LOCAL_GROUP]       # the daemon's: its successor removes what a dead one left
 
 

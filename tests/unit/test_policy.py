@@ -144,15 +144,15 @@ def test_corrupt_data_resumes_from_the_newest_checkpoint_with_the_blocks_quarant
 
 
 def test_quarantine_accumulates_in_the_directive_and_the_lr_in_force_stays():
-    from contracts.protocol import LrOverride, Recovery
+    from contracts.protocol import LrOverride, RecoveryDirective
 
     cut = (LrOverride(start_step=51, factor=0.5, hold_steps=200, ramp_steps=200),)
-    before = Recovery(checkpoint_step=50, skip_ranges=((8, 16),), lr_overrides=cut, quarantined_blocks=(("a", 1),))
+    before = RecoveryDirective(checkpoint_step=50, skip_ranges=((8, 16),), lr_overrides=cut, quarantined_blocks=(("a", 1),))
     action = decide(corrupt(205, [("b", 2)]), RunHistory(committed_steps=CKPTS, quarantined=(("a", 1),)), CFG)
     after = policy.merge_recovery(before, action)
     assert after.quarantined_blocks == (("a", 1), ("b", 2)) and after.lr_overrides == cut
     assert after.skip_ranges == ((8, 16),) and after.checkpoint_step == 200
-    assert Recovery.from_json(after.to_json()) == after
+    assert RecoveryDirective.from_json(after.to_json()) == after
 
 
 def test_too_much_corrupt_data_gives_up_with_65():

@@ -8,7 +8,7 @@ import pytest
 from checkpointing import layout
 from contracts.config import config_from_dict, load_config, to_toml, with_changes
 from contracts.errors import ConfigError
-from contracts.protocol import LrOverride, Recovery
+from contracts.protocol import LrOverride, RecoveryDirective
 from daemon import control, memcg, policy
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
@@ -26,9 +26,9 @@ def _rollback(**kw):
 
 
 def test_recovery_round_trips_through_json():
-    r = Recovery(checkpoint_step=50, skip_ranges=((1, 2), (5, 9)), lr_overrides=(CUT,), loss_scale=1024.0,
+    r = RecoveryDirective(checkpoint_step=50, skip_ranges=((1, 2), (5, 9)), lr_overrides=(CUT,), loss_scale=1024.0,
                  loss_scale_cap=1024.0, loss_scale_cap_until_step=1050)
-    assert Recovery.from_json(r.to_json()) == r
+    assert RecoveryDirective.from_json(r.to_json()) == r
 
 
 def test_skip_ranges_accumulate_and_the_lr_list_is_the_policys():
@@ -247,7 +247,7 @@ def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
     assert "checkpoint" in text and "before upgrade" in text
     json.dumps(s)                                  # what `status --json` prints
     state.checkpoints_failing_since = 390
-    state.recovery = Recovery(checkpoint_step=280, skip_ranges=((10, 20),))
+    state.recovery = RecoveryDirective(checkpoint_step=280, skip_ranges=((10, 20),))
     state.save(tmp_path)
     s = status_cli.summary(tmp_path)
     assert "FAILING since step 390" in status_cli.render(s)

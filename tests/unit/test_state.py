@@ -1,5 +1,5 @@
 """state.json: strict JSON both ways; a corrupt file is an error that names it, never a traceback; the
-daemon sets it aside and rebuilds the state from the event log (daemon.rebuild, tested with literal events)."""
+daemon sets it aside and rebuilds the state from the event log (daemon.state_rebuild, tested with literal events)."""
 import io
 import json
 import math
@@ -8,8 +8,8 @@ import pytest
 
 from cli import main as cli_main
 from contracts.errors import DataError
-from contracts.protocol import ExitCode, LrOverride, Recovery
-from daemon import rebuild
+from contracts.protocol import ExitCode, LrOverride, RecoveryDirective
+from daemon import state_rebuild
 from daemon.eventlog import EventLog
 from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
 from daemon.ledger import Ledger
@@ -68,7 +68,7 @@ EVENTS = [
 # The pure rebuild ------------------------------------------------------------------------------
 
 def test_the_rebuild_recovers_history_counts_and_the_directive_from_literal_events():
-    state, counts = rebuild.state_from_events(EVENTS)
+    state, counts = state_rebuild.state_from_events(EVENTS)
     assert [r.kind for r in state.incidents] == ["throughput_regression", "loss_spike", "crash", "oom",
                                                  "loss_collapse"]
     spike = state.incidents[1]
@@ -80,7 +80,7 @@ def test_the_rebuild_recovers_history_counts_and_the_directive_from_literal_even
     assert (state.generation, state.restarts, state.restarts_without_progress) == (4, 3, 2)
     assert state.config_changes == {"train.recompute": True}
     # policy.merge_recovery folded over the two rollbacks: skips accumulate, the newest lr list is in force
-    assert state.recovery == Recovery(checkpoint_step=50, skip_ranges=((232, 264), (472, 496)),
+    assert state.recovery == RecoveryDirective(checkpoint_step=50, skip_ranges=((232, 264), (472, 496)),
                                       lr_overrides=(LrOverride(**DEEPER),))
     assert state.pending_rollback == 50                  # recorded, never carried out (no `rollback` event)
     assert state.last_control == {"name": "pause", "file": "pause-1", "unix_s": UNIX_S, "reason": "maintenance"}
@@ -92,23 +92,23 @@ def test_the_rebuild_recovers_history_counts_and_the_directive_from_literal_even
 
 def test_a_finished_rollback_is_not_pending_and_the_restart_total_survives_a_dropped_backup():
     later = [e for e in EVENTS[:7]]                     # up to the spike's rollback and its restart
-    state, _ = rebuild.state_from_events(later)
+    state, _ = state_rebuild.state_from_events(later)
     assert state.pending_rollback is None and state.recovery.skip_ranges == ((232, 264),)
     # the oldest backup rotated away: two `restart` events left, the last says 3 in all
-    state, counts = rebuild.state_from_events(EVENTS[8:])
+    state, counts = state_rebuild.state_from_events(EVENTS[8:])
     assert counts["restarts"] == 2 and state.restarts == 3
 
 
 def test_a_rollback_whose_event_was_lost_is_not_pending_once_a_later_generation_ran():
     """Finishing it again would roll back the checkpoints the later generations made."""
     lost = [e for e in EVENTS[:7] if e["event"] != "rollback"]
-    assert rebuild.state_from_events(lost)[0].pending_rollback == 25
-    assert rebuild.state_from_events([*lost, ev("daemon_start", 0), ev("state_rebuilt", 0)])[0].pending_rollback == 25
-    assert rebuild.state_from_events([*lost, ev("generation_start", 2)])[0].pending_rollback is None
+    assert state_rebuild.state_from_events(lost)[0].pending_rollback == 25
+    assert state_rebuild.state_from_events([*lost, ev("daemon_start", 0), ev("state_rebuilt", 0)])[0].pending_rollback == 25
+    assert state_rebuild.state_from_events([*lost, ev("generation_start", 2)])[0].pending_rollback is None
 
 
 def test_an_empty_log_rebuilds_a_new_state():
-    state, counts = rebuild.state_from_events([])
+    state, counts = state_rebuild.state_from_events([])
     assert state == RunState() and set(counts.values()) == {0}
 
 
@@ -119,7 +119,7 @@ def test_rotated_logs_are_read_oldest_first_and_torn_lines_passed_over(tmp_path)
     (tmp_path / "events.jsonl.1").write_text("\n".join(lines[5:10]) + '\n{"ts": "2025-01-02T0')   # torn
     log.write_text("\n".join(lines[10:]) + "\n[1, 2]\n")
     (tmp_path / "events.jsonl.old").write_text("not a backup")
-    assert rebuild.read_events(log) == EVENTS
+    assert state_rebuild.read_events(log) == EVENTS
 
 
 # RunState's own methods (the only way the state changes) -----------------------------------------
@@ -127,7 +127,7 @@ def test_rotated_logs_are_read_oldest_first_and_torn_lines_passed_over(tmp_path)
 def test_the_live_path_and_the_rebuild_apply_an_incident_alike():
     """RunState.apply_incident is the one place an incident changes the state: the Ledger calls it live,
     the rebuild for each incident event; fed the same records, they agree."""
-    rebuilt, _ = rebuild.state_from_events(EVENTS)
+    rebuilt, _ = state_rebuild.state_from_events(EVENTS)
     live = RunState()
     live.hold_undecided(rebuilt.incidents[1].incident)
     for record in rebuilt.incidents:
@@ -141,8 +141,8 @@ def test_the_live_path_and_the_rebuild_apply_an_incident_alike():
 
 def test_another_node_takes_node_0s_changes_and_directive_as_they_are_and_holds_no_rollback():
     state = RunState(config_changes={"train.recompute": True})
-    record = rebuild.state_from_events(EVENTS)[0].incidents[1]          # the spike, rolled back
-    directive = Recovery(checkpoint_step=25, skip_ranges=((1, 2), (232, 264)))
+    record = state_rebuild.state_from_events(EVENTS)[0].incidents[1]          # the spike, rolled back
+    directive = RecoveryDirective(checkpoint_step=25, skip_ranges=((1, 2), (232, 264)))
     state.apply_incident(record, in_force=({"train.micro_batch": 4}, directive))
     assert state.config_changes == {"train.micro_batch": 4} and state.recovery == directive
     assert state.pending_rollback is None and state.incidents == [record]

@@ -8,8 +8,8 @@ and a free-port helper. No processes are started here.
 
 A local group: with `parallel.local_reduce` on one CPU machine, the ranks sum
 their gradients through shared memory (engine/training/local_reduce.py) and need
-nothing of MindSpore's cluster, whose formation was most of a cold start
-(4.6 of 7 s, 3 s of it a fixed sleep in MindSpore's CPU collectives). Such a
+nothing of MindSpore's cluster, whose formation was most of a cold start (a
+fixed sleep inside MindSpore's CPU collectives among it; README, Performance). Such a
 generation starts no scheduler; each rank gets its rank, the world and the
 group's file prefix, new for every generation, which the daemon removes when
 the generation ends.

@@ -27,7 +27,7 @@ import uuid
 from typing import Any, Callable
 
 from contracts.config import Config
-from daemon.etcd import Etcd, EtcdError, EtcdUnavailableError
+from daemon.etcd_client import Etcd, EtcdError, EtcdUnavailableError
 
 LEADER = 0
 

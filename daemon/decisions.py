@@ -17,7 +17,7 @@ import tenacity
 
 from checkpointing import layout
 from contracts.config import Config, HealthConfig, with_changes
-from contracts.protocol import ExitCode, Recovery
+from contracts.protocol import ExitCode, RecoveryDirective
 from daemon import policy
 from daemon.incidents import Action, Halt, Incident, IncidentRecord, Rollback
 from daemon.ledger import Ledger
@@ -56,7 +56,7 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
 
 
 def _record_decision(ledger: Ledger, record: IncidentRecord, *,
-                     in_force: tuple[dict, Recovery | None] | None = None) -> None:
+                     in_force: tuple[dict, RecoveryDirective | None] | None = None) -> None:
     """A decided incident into state.json, the same on node 0 and on the others (RunState.apply_incident:
     its config changes, recovery directive and pending rollback; `in_force`: node 0's, taken as they are)."""
     ledger.state.set_status("gave_up" if isinstance(record.action, Halt) else "restarting")
@@ -153,7 +153,7 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     own = policy.decide(record.incident, history, cfg.health, cfg.train)
     _record_decision(ledger, record, in_force=(
         published.get("config_changes") or {},
-        Recovery.from_dict(published["recovery"]) if published.get("recovery") else None))
+        RecoveryDirective.from_dict(published["recovery"]) if published.get("recovery") else None))
     # the skip window comes from the sample ranges a daemon has seen: a follower whose step datagrams of the
     # incident's last steps had not come in yet would decide a shorter one, and that is no disagreement
     seen_all = all(step in history.sample_ranges
