@@ -12,8 +12,8 @@ which it resumes. Faults on cue, in chosen generations:
     --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
     --linger-s S         stay S seconds after the exit event (a framework's slow teardown)
     --rank-faults R      only rank R misbehaves (default: all)
-    --gate-at STEP --gate PATH   wait before STEP until PATH exists (a test's cue: what must
-                         happen first has happened; every rank, every generation)
+    --gate-at STEP --gate PATH   from STEP on, wait before each step until PATH exists or a
+                         SIGTERM comes (a test's cue that what must happen first has happened)
     --fault-generations G[,G...]   only in these generations (default: all)
 
 It honours the recovery directive (skip ranges move its sample ranges; lr
@@ -138,7 +138,8 @@ def main() -> int:
         return start, start + 8
 
     while step < a.steps:
-        while a.gate_at == step + 1 and not os.path.exists(a.gate) and not stop["requested"]:
+        while a.gate_at is not None and step + 1 >= a.gate_at and not os.path.exists(a.gate) \
+                and not stop["requested"]:
             time.sleep(0.02)
         time.sleep(a.step_s)
         step += 1
