@@ -52,7 +52,8 @@ def _start_node(cli, env, hosts, etcd, i, run, corpus, tmp_path, *more):
 
 def _events(run: Path, node: int) -> list[dict]:
     path = run / "logs" / f"node-{node}" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.endswith("}")]          # complete lines: it is being written
 
 
 def _steps(log: Path) -> list[dict]:
@@ -203,9 +204,10 @@ def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_d
         assert [e["members"] for e in named(0, "nodes_shrunk")] == []
 
         # host 1's link down past the hang timeout, then up: both restart together
-        gen = generation()
+        gen, incidents = generation(), len(named(0, "incident"))
         hosts.cut(1)
-        time.sleep(12)
+        time.sleep(12)                  # the fault's length: past the hang floor (8 s) and the lease (3 s)
+        wait_for(lambda: len(named(0, "incident")) > incidents, 120, "node 0 to see the cut")   # before it heals
         hosts.restore(1)
         trains_on(gen, 5)
 

@@ -4,7 +4,6 @@ from the pause checkpoint; status and logs tell the operator what happened."""
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -56,8 +55,9 @@ def reference(cli, quiet_env, tmp_path_factory, stdlib_corpus):
 
 def _pause_mid_run(cli, env, run, corpus, *extra):
     (run / "control").mkdir(parents=True, mode=0o750)
-    # 0.15 s of sleep per step on rank 0 (a `slow` drill: no effect on the numbers) leaves time to act
-    subprocess.run([*cli, "inject", "slow", str(run), "--steps", "1000", "--seconds", "0.15", "--queue"], env=env,
+    # 0.3 s of sleep per step on rank 0 (a `slow` drill: no effect on the numbers) leaves time to act: 12 s
+    # for three CLI calls before the run's 40 steps are done
+    subprocess.run([*cli, "inject", "slow", str(run), "--steps", "1000", "--seconds", "0.3", "--queue"], env=env,
                    check=True)
     proc = _start(cli, env, run, corpus, *extra)
     _wait_for(lambda: (run / "logs" / "rank-0.log").exists() and len(_steps(run, 0)) >= 5, what="step 5")
@@ -79,12 +79,18 @@ def test_pause_holds_every_rank_at_one_step_and_resume_is_bit_exact(cli, quiet_e
     status = json.loads(subprocess.run([*cli, "status", str(run), "--json"], env=quiet_env, capture_output=True,
                                        text=True, check=True).stdout)
     assert status["status"] == "paused"
-    held = len(_steps(run, 0))
-    time.sleep(1.5)
-    assert len(_steps(run, 0)) == held == step, "a rank stepped while paused"
+    assert len(_steps(run, 0)) == step
     subprocess.run([*cli, "resume", str(run)], env=quiet_env, check=True)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-2000:]
+    for rank in (0, 1):         # nothing stepped while paused: each rank's log from "paused" to "train" again
+        logged = [json.loads(l) for l in (run / "logs" / f"rank-{rank}.log").read_text().splitlines()
+                  if l.startswith("{")]
+        phases = [(i, e["phase"], e["step"]) for i, e in enumerate(logged) if e["kind"] == "phase"]
+        at = next(n for n, (_, name, _) in enumerate(phases) if name == "paused")
+        (held, _, held_step), (again, name, again_step) = phases[at], phases[at + 1]
+        assert (name, held_step, again_step) == ("train", step, step), phases
+        assert not [e for e in logged[held:again] if e["kind"] == "step"], f"rank {rank} stepped while paused"
     losses, digests = reference
     assert _steps(run, 0) == losses and _digests(run) == digests
     print(f"paused at step {step} on both ranks; resumed; 40 losses and the final weights identical")

@@ -43,16 +43,11 @@ def _last_step(run, rank=0):
 STANDBY_STEPS = 300      # a standby forms its cluster while the first generation trains: ~10 s here
 
 
-def _saved(run: Path, generation: int = 1) -> dict[str, int]:
-    """The newest steps rank 0 logged as committed to disk and to the RAM tier in `generation`."""
-    newest = {"committed": 0, "in_memory": 0}
-    log = run / "logs" / "rank-0.log"
-    for line in (log.read_text().splitlines() if log.exists() else []):
-        if line.startswith('{"detail"') and '"kind": "checkpoint"' in line:
-            e = json.loads(line)
-            if e["generation"] == generation and e["stage"] in newest:
-                newest[e["stage"]] = max(newest[e["stage"]], e["step"])
-    return newest
+def _tiers(run: Path) -> dict[str, int]:
+    """The newest step committed in each checkpoint tier of `run`, read from the tiers themselves (a
+    rank logs a commit only at its next step, which a held rank never takes)."""
+    newest = lambda root: max(layout.committed_steps(root), default=0) if root.is_dir() else 0
+    return {"committed": newest(run / "checkpoints"), "in_memory": newest(layout.memory_root(run, "/dev/shm"))}
 
 
 def _final_params(run: Path) -> set[str]:
@@ -63,11 +58,22 @@ def _final_params(run: Path) -> set[str]:
 def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_exact(cli, quiet_env, tmp_path,
                                                                                      stdlib_corpus):
     proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=3",
-                        steps=STANDBY_STEPS)
+                        "health.allow_fault_injection=true", steps=STANDBY_STEPS)
     _wait_for(lambda: _last_step(run) >= 25 and _named(_events(run), "standby_ready"), what="step 25 and a standby")
-    # kill while the RAM tier holds the newest checkpoint, a few steps before the next disk save
-    _wait_for(lambda: (lambda s: s["in_memory"] > s["committed"] and s["in_memory"] % 10 in (3, 6))(_saved(run)),
-              timeout_s=60, poll_s=0.01, what="a RAM checkpoint newer than the disk's")
+    # kill while the RAM tier holds the newest checkpoint, a few steps before the next disk save: rank 1 is
+    # held (a hang drill) before step `hold`, so the run cannot move on past that state while the kill is
+    # on its way; the drill is asked for well ahead of the step, so every rank has agreed on it by then
+    hold = next(s for s in range(_last_step(run) + 40, STANDBY_STEPS) if (s - 1) % 3 == 0 and (s - 1) % 10 in (3, 6))
+    with open(run / "commands.jsonl", "a") as f:
+        f.write(Command(seq=1, name="inject", args={"fault": "hang", "rank": 1, "at_step": hold,
+                                                    "seconds": 3600}).to_json() + "\n")
+    rank_1_log = run / "logs" / "rank-1.log"
+    _wait_for(lambda: "drill: hanging" in rank_1_log.read_text(), what=f"rank 1 held before step {hold}")
+    assert f"hang at step {hold} " in rank_1_log.read_text(), "the drill was agreed too late for this test's setup"
+    # what the tiers hold at the kill: the RAM tier the step before the hold, the disk the interval save
+    # before that (both settle there: no rank steps past the hold)
+    at_kill = {"committed": (hold - 1) // 10 * 10, "in_memory": hold - 1}
+    _wait_for(lambda: _tiers(run) == at_kill, timeout_s=45, what=f"the tiers to hold {at_kill}")   # hung at 60 s
     victim = next(p for p in RunState.load(run).processes if p["rank"] == 1 and not p.get("standby"))
     crashed_at = _last_step(run)
     os.kill(victim["pid"], signal.SIGKILL)
@@ -75,17 +81,17 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
     assert proc.returncode == 0, err[-2000:]
     events = _events(run)
     crash = _named(events, "crash")[0]
-    assert crash["rank"] == 1 and crash["cause"] == "killed by signal 9"
+    assert crash["rank"] == 1 and crash["cause"] == "killed by signal 9" and crash["step"] <= hold - 1
     restart = _named(events, "restart")[0]
     assert restart["cause"] == "crash" and restart["rank"] == 1
-    assert crashed_at - restart["resume_step"] <= 10 + 1            # lost work: at most one interval
+    assert restart["resume_step"] == at_kill["committed"]          # the disk's newest, decided at the crash
     assert _named(events, "daemon_exit")[0]["reason"] == "finished"
     assert layout.committed_steps(run / "checkpoints")[-1] == STANDBY_STEPS
     start = _named(events, "generation_start")[1]
     assert start["standby"] is True and start["pids"] == _named(events, "standby_started")[0]["pids"]
     # from the RAM tier's newest commit (every 3 steps), where the disk's (every 10) would have cost more
-    saved, restored = _saved(run), next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
-    assert saved["in_memory"] > saved["committed"] and saved["in_memory"] <= restored["step"] <= crash["step"]
+    restored = next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
+    assert restored["step"] == at_kill["in_memory"] > restart["resume_step"]
     assert restored["path"].startswith("/dev/shm/llm-pretrain-")
     assert not list(Path("/dev/shm").glob(f"llm-pretrain-{(run / '.run-id').read_text().strip()}"))  # freed at the end
     back = next(e for e in events if e["event"] == "first_step" and e["generation"] == 2)
@@ -157,7 +163,7 @@ def test_kill_9_of_the_supervisor_then_restart(cli, quiet_env, tmp_path, stdlib_
     final = layout.committed_steps(run / "checkpoints")[-1]
     ends = [json.loads(l) for r in (0, 1) for l in (run / "logs" / f"rank-{r}.log").read_text().splitlines()
             if l.startswith('{"generation"') and '"exit"' in l]
-    assert _last_step(run) <= at_kill + 3                 # nothing trained on unsupervised
+    assert _last_step(run) == final                       # nothing trained on unsupervised: the last step saved
     # they saved: at one step, all of them
     assert [e["reason"] for e in ends] == ["stopped", "stopped"] and {e["step"] for e in ends} == {final}
     assert final >= at_kill

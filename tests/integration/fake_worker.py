@@ -12,6 +12,8 @@ which it resumes. Faults on cue, in chosen generations:
     --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
     --linger-s S         stay S seconds after the exit event (a framework's slow teardown)
     --rank-faults R      only rank R misbehaves (default: all)
+    --gate-at STEP --gate PATH   from STEP on, wait before each step until PATH exists or a
+                         SIGTERM comes (a test's cue that what must happen first has happened)
     --fault-generations G[,G...]   only in these generations (default: all)
 
 It honours the recovery directive (skip ranges move its sample ranges; lr
@@ -73,6 +75,8 @@ def main() -> int:
     ap.add_argument("--linger-s", type=float, default=0.0)     # after the exit event (a framework's teardown)
     ap.add_argument("--rank-faults", type=int)
     ap.add_argument("--fault-generations", default="")
+    ap.add_argument("--gate-at", type=int)
+    ap.add_argument("--gate")
     a = ap.parse_args()
     if os.environ.get(ENV_STANDBY_FD):          # a warm standby: wait to be made a rank (engine/rank/standby.py)
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
@@ -148,6 +152,9 @@ def main() -> int:
         return start, start + 8
 
     while step < a.steps:
+        while a.gate_at is not None and step + 1 >= a.gate_at and not os.path.exists(a.gate) \
+                and not stop["requested"]:
+            time.sleep(0.02)
         time.sleep(a.step_s)
         step += 1
         multiplier = 1.0

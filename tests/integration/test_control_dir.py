@@ -2,7 +2,7 @@
 garbage is reported and never crashes the daemon, an unsafe directory is refused."""
 import time
 
-from tests.integration.test_supervisor import _finish, _named, _start
+from tests.integration.test_supervisor import _finish, _logged, _named, _start, _wait
 
 
 def _wait_for(path, timeout=30):
@@ -20,7 +20,7 @@ def test_garbage_is_reported_and_ignored_then_a_stop_file_stops_with_a_checkpoin
     (control / "reboot").write_text("")                       # unknown name: reported once, left alone
     (control / "checkpoint").write_text("{not json")          # malformed body: renamed aside
     (control / "inject").write_text('{"fault": "nan"}')       # drills are off by default
-    time.sleep(1.5)
+    _wait(lambda: len(_logged(run, "control_rejected")) >= 3 or proc.poll() is not None, "the garbage rejected")
     assert proc.poll() is None, "garbage in the control directory ended the daemon"
     (control / "stop").write_text('{"reason": "maintenance"}')
     code, events, err = _finish(proc)
@@ -91,7 +91,9 @@ def test_churn_links_directories_fifos_and_huge_bodies_never_crash_or_block_the_
     with open(control / "checkpoint.huge", "wb") as f:
         f.truncate(64 << 30)
     churn.wait(timeout=30)
-    time.sleep(2.5)
+    odd = {"pause.empty", "resume", "stop.fifo", "checkpoint.huge"}
+    _wait(lambda: odd <= {e["file"] for e in _logged(run, "control_rejected")} or proc.poll() is not None,
+          "the odd files rejected")
     assert proc.poll() is None, "the control directory ended the daemon"
     (control / "stop").write_text("")
     code, events, err = _finish(proc)

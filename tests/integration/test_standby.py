@@ -1,26 +1,32 @@
 """The warm standby against the stdlib fake worker: the next generation's processes start while one
 trains, wait, and become the ranks of the generation after an incident (daemon/standby.py)."""
-import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from tests.integration.test_recovery_policy import QUICK_HEALTH, _steps
-from tests.integration.test_supervisor import _finish, _named, _start
+from tests.integration.test_supervisor import _finish, _logged, _named, _start, _wait
 
 
-def _logged(run, name):
-    path = run / "logs" / "events.jsonl"
-    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == name] if path.exists() else []
+def _gated(tmp_path, step):
+    """Fake-worker arguments that hold every rank before `step` until the test opens the gate."""
+    return ["--gate-at", str(step), "--gate", str(tmp_path / "gate")]
+
+
+def _open_gate_once_the_standby_is_ready(tmp_path, run):
+    _wait(lambda: _logged(run, "standby_ready"), "the standby to be ready")
+    (tmp_path / "gate").touch()
 
 
 def test_a_rollback_runs_on_the_standby_with_the_decision_made_after_it_started(tmp_path):
     run = tmp_path / "run"
-    code, events, err = _finish(_start(run, overrides=QUICK_HEALTH, ranks=2, fake=[
-        "--steps", "60", "--step-s", "0.05", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"]))
+    proc = _start(run, overrides=QUICK_HEALTH, ranks=2, fake=[
+        "--steps", "60", "--step-s", "0.05", "--interval", "5", "--spike-at", "30", "--fault-generations", "1",
+        *_gated(tmp_path, 29)])                                   # the spike comes once the standby is ready
+    _open_gate_once_the_standby_is_ready(tmp_path, run)
+    code, events, err = _finish(proc)
     assert code == 0, err
     names = [e["event"] for e in events]
     assert names.index("standby_started") < names.index("standby_ready") < names.index("incident")
@@ -39,17 +45,25 @@ def test_a_rollback_runs_on_the_standby_with_the_decision_made_after_it_started(
 def test_a_standby_that_died_is_not_used(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, ranks=2, fake=["--steps", "200", "--step-s", "0.05", "--interval", "10",
-                                      "--crash-at", "60", "--fault-generations", "1"])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not _logged(run, "standby_ready"):
-        time.sleep(0.05)
-    os.kill(_logged(run, "standby_started")[0]["pids"]["1"], signal.SIGKILL)
+                                      "--crash-at", "60", "--fault-generations", "1", *_gated(tmp_path, 59)])
+    _wait(lambda: _logged(run, "standby_ready"), "the standby to be ready")
+    standby_1 = _logged(run, "standby_started")[0]["pids"]["1"]
+    os.kill(standby_1, signal.SIGKILL)
+    _wait(lambda: _ended(standby_1), "the standby's rank 1 to die")
+    (tmp_path / "gate").touch()                                   # then the crash at 60
     code, events, err = _finish(proc)
     assert code == 0, err
     (retired,) = _named(events, "standby_retired")
     assert "rank 1 ended (-9)" in retired["detail"] and "starting it cold" in retired["detail"]
     assert [g["standby"] for g in _named(events, "generation_start")] == [False, False]
     assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+
+
+def _ended(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def test_with_run_standby_off_every_generation_starts_cold(tmp_path):
@@ -67,9 +81,11 @@ def test_a_local_group_starts_no_scheduler_and_leaves_no_shared_memory_behind(tm
     from daemon.mindspore_env import SHM_DIR
 
     run = tmp_path / "run"
-    code, events, err = _finish(_start(run, overrides=[*QUICK_HEALTH, "parallel.local_reduce=true"], ranks=2, fake=[
+    proc = _start(run, overrides=[*QUICK_HEALTH, "parallel.local_reduce=true"], ranks=2, fake=[
         "--steps", "60", "--step-s", "0.05", "--interval", "5", "--crash-at", "30", "--rank-faults", "1",
-        "--fault-generations", "1"]))
+        "--fault-generations", "1", *_gated(tmp_path, 29)])            # the crash comes once the standby is ready
+    _open_gate_once_the_standby_is_ready(tmp_path, run)
+    code, events, err = _finish(proc)
     assert code == 0, err
     gens = _named(events, "generation_start")
     assert [sorted(g["pids"]) for g in gens] == [["0", "1"], ["0", "1"]]          # no scheduler (rank -1)

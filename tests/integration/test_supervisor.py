@@ -33,6 +33,26 @@ def _named(events, name):
     return [e for e in events if e["event"] == name]
 
 
+def _logged(run, name):
+    """The events named `name` in the run's events.jsonl so far (complete lines only)."""
+    path = run / "logs" / "events.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [e for e in (json.loads(l) for l in lines if l.endswith("}")) if e["event"] == name]
+
+
+def _has_stepped(run, rank):
+    log = run / "logs" / f"rank-{rank}.log"
+    return log.exists() and '"kind": "step"' in log.read_text()
+
+
+def _wait(predicate, what, timeout_s=60.0):
+    """Polls until `predicate()` holds: the deadline only keeps a broken run from hanging the tests."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
 def test_clean_run_finishes_with_0(tmp_path):
     code, events, err = _finish(_start(tmp_path / "run", fake=["--steps", "12"], ranks=2))
     assert code == 0, err
@@ -53,9 +73,13 @@ def test_crash_restarts_from_the_latest_checkpoint(tmp_path):
     crash = _named(events, "crash")[0]
     assert (crash["rank"], crash["exit_code"], crash["generation"]) == (1, 1, 1)
     restart = _named(events, "restart")[0]
-    assert restart["cause"] == "crash" and restart["rank"] == 1 and restart["resume_step"] >= 10
+    # the fake ranks share no collective: rank 0 (the one that saves) is wherever it got to when the
+    # generation was torn down, and saved there too; the newest of its saves is where the run goes on from
+    logged = [json.loads(l) for l in (tmp_path / "run" / "logs" / "rank-0.log").read_text().splitlines()
+              if l.startswith("{")]
+    saved = [e["step"] for e in logged if e["kind"] == "checkpoint" and e["generation"] == 1 and e["stage"] == "committed"]
+    assert restart["cause"] == "crash" and restart["rank"] == 1 and restart["resume_step"] == max(saved, default=0)
     starts = _named(events, "generation_start")
-    # the fake ranks share no collective, so rank 0 may have saved once more before the teardown
     assert [s["generation"] for s in starts] == [1, 2] and starts[1]["resume_step"] == restart["resume_step"]
     state = RunState.load(tmp_path / "run")
     assert state.restarts == 1 and state.incidents[0].kind == "crash" and state.incidents[0].incident.rank == 1
@@ -75,7 +99,7 @@ def test_hang_is_detected_stacks_dumped_and_restarted(tmp_path):
     assert code == 0, err
     hang = _named(events, "hang")[0]
     assert hang["rank"] == 0 and hang["phase"] == "train" and hang["step"] == 8
-    assert 1.5 <= hang["waited_s"] < 4 and hang["timeout_s"] == 1.5
+    assert hang["waited_s"] >= 1.5 and hang["timeout_s"] == 1.5          # not before the floor
     print(f"hang detected after {hang['waited_s']} s (timeout {hang['timeout_s']} s)")
     log = (run / "logs" / "rank-0.log").read_text()
     assert "most recent call first" in log and "fake_worker.py" in log          # faulthandler's dump
@@ -102,10 +126,7 @@ def test_crash_loop_gives_up_with_3(tmp_path):
 def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):
     run = tmp_path / "run"
     proc = _start(run, fake=["--steps", "100000", "--step-s", "0.02", "--interval", "100000"], ranks=2)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (run / "logs" / "rank-1.log").exists():
-        time.sleep(0.1)
-    time.sleep(1.0)
+    _wait(lambda: _has_stepped(run, 0) and _has_stepped(run, 1), "both ranks training")
     proc.send_signal(signal.SIGTERM)
     code, events, err = _finish(proc)
     assert code == 0, err
@@ -124,10 +145,7 @@ def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):
 def test_a_second_daemon_on_the_same_run_exits_5(tmp_path):
     run = tmp_path / "run"
     first = _start(run, fake=["--steps", "100000"])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (run / "daemon.lock").exists():
-        time.sleep(0.05)
-    time.sleep(0.5)
+    _wait(lambda: _logged(run, "generation_start"), "the first daemon's generation")     # it holds the lock
     before = (run / "logs" / "events.jsonl").read_text()
     code, events, _ = _finish(_start(run, fake=["--steps", "3"]))
     during = (run / "logs" / "events.jsonl").read_text()
@@ -169,18 +187,15 @@ def test_ranks_of_a_killed_daemon_checkpoint_and_stop_within_seconds(tmp_path):
     """The kernel's parent-death signal: SIGKILL the daemon, and its ranks save at the next step and exit."""
     run = tmp_path / "run"
     first = _start(run, fake=["--steps", "100000", "--interval", "100000"], ranks=2)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (run / "logs" / "rank-1.log").exists():
-        time.sleep(0.05)
-    time.sleep(1.0)
+    _wait(lambda: _has_stepped(run, 0) and _has_stepped(run, 1) and _logged(run, "standby_started"),
+          "both ranks training and a standby")
     processes = RunState.load(run).processes
     ranks = [r for r in processes if not r.get("standby")]
     assert len(ranks) == 2 and len(processes) == 4           # and the next generation's, on standby
     first.send_signal(signal.SIGKILL)
     first.communicate()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(Path(f"/proc/{r['pid']}").exists() for r in processes):
-        time.sleep(0.05)
+    # they stop by themselves (100000 steps would take an hour): the deadline only bounds a failure
+    _wait(lambda: not any(_runs_fake_worker(r["pid"]) for r in processes), "the ranks to stop")
     alive = [r["pid"] for r in processes if Path(f"/proc/{r['pid']}").exists() and
              "fake_worker" in Path(f"/proc/{r['pid']}/cmdline").read_text()]
     assert not alive, f"ranks {alive} trained on unsupervised"
@@ -189,6 +204,15 @@ def test_ranks_of_a_killed_daemon_checkpoint_and_stop_within_seconds(tmp_path):
                 if l.startswith("{") and '"kind": "exit"' in l]
         assert ends and ends[-1]["reason"] == "stopped"
     assert list((run / "checkpoints").glob("step-*")), "no final checkpoint"
+
+
+def _runs_fake_worker(pid: int) -> bool:
+    """The process runs the fake worker still (a zombie no one reaps runs nothing)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z" and "fake_worker" in Path(f"/proc/{pid}/cmdline").read_text()
+    except FileNotFoundError:
+        return False
 
 
 def test_sighup_reopens_the_log_and_the_run_goes_on(tmp_path):
@@ -200,7 +224,7 @@ def test_sighup_reopens_the_log_and_the_run_goes_on(tmp_path):
         time.sleep(0.05)
     log.rename(log.with_name("events.jsonl.rotated"))          # what logrotate does, then SIGHUP
     proc.send_signal(signal.SIGHUP)
-    time.sleep(1.0)
+    _wait(lambda: _logged(run, "log_reopened") or proc.poll() is not None, "the log reopened")
     assert proc.poll() is None, "SIGHUP ended the daemon"
     proc.send_signal(signal.SIGTERM)
     code, events, err = _finish(proc)
@@ -238,8 +262,9 @@ def test_a_killed_daemons_ranks_that_saved_are_not_waited_for_while_they_tear_do
     teardown, here a minute) is not waited for: the next daemon ends them, does not count them as
     killed, and resumes from their save."""
     run = tmp_path / "run"
-    first = _start(run, fake=["--steps", "100000", "--interval", "100000", "--linger-s", "60"], ranks=2,
-                   overrides=["run.kill_grace_s=30", "run.standby=false"])
+    # a grace far longer than the wait below: waiting it out would fail the test, not slow it down
+    first = _start(run, fake=["--steps", "100000", "--interval", "100000", "--linger-s", "3600"], ranks=2,
+                   overrides=["run.kill_grace_s=600", "run.standby=false"])
     deadline = time.monotonic() + 30
     while not (run / "logs" / "rank-1.log").exists() or '"kind": "step"' not in (run / "logs" / "rank-1.log").read_text():
         assert time.monotonic() < deadline
@@ -248,7 +273,7 @@ def test_a_killed_daemons_ranks_that_saved_are_not_waited_for_while_they_tear_do
     first.send_signal(signal.SIGKILL)
     first.communicate()
     code, events, err = _finish(_start(run, fake=["--steps", "3"], ranks=2,
-                                       overrides=["run.kill_grace_s=30", "run.standby=false"]), timeout=25)
+                                       overrides=["run.kill_grace_s=600", "run.standby=false"]), timeout=300)
     assert code == 0, err
     assert not _named(events, "orphans_killed")               # they had finished, not been killed
     assert not any(Path(f"/proc/{o['pid']}").exists() and

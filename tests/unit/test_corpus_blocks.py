@@ -91,8 +91,16 @@ def test_blocks_are_verified_once_per_epoch(tmp_path):
 def test_verify_checksums_off_reads_without_checking(tmp_path):
     out = _corpus(tmp_path / "c")
     _zero_block(out, "tokens-00000.bin", 0)
+    checked = CorpusSource(Corpus(out), seq_len=63, seed=0)
+    n = checked.samples_per_epoch
+    with pytest.raises(CorruptBlockError):        # the alteration is one a check catches ...
+        checked.batch(np.arange(n))
     src = CorpusSource(Corpus(out, verify_checksums=False), seq_len=63, seed=0)
-    src.batch(np.arange(src.samples_per_epoch))
+    rows = src.batch(np.arange(n))                # ... read here unchecked, as the bytes now are
+    stream = np.concatenate([np.fromfile(out / f"tokens-0000{i}.bin", dtype="<u2") for i in range(4)])
+    starts = src.starts(np.arange(n))
+    np.testing.assert_array_equal(rows, stream[starts[:, None] + np.arange(64)])
+    assert not rows[starts == 0].any()            # the sample at the start of the zeroed half block
 
 
 def test_quarantined_blocks_are_passed_over_in_the_same_order_on_every_rank(tmp_path):

@@ -68,8 +68,8 @@ def test_a_full_socket_queue_is_waited_for_and_a_missing_reader_is_not(tmp_path)
     assert not send_datagram(sender, path, event, wait_s=0.1)           # full, and nobody drains
     assert time.monotonic() - started >= 0.1
     threading.Timer(0.2, lambda: [reader.recv(65536) for _ in range(queued)]).start()
-    assert send_datagram(sender, path, event, wait_s=5.0)               # through once drained
+    assert send_datagram(sender, path, event, wait_s=60.0)              # through once drained
     reader.close()
     started = time.monotonic()
-    assert not send_datagram(sender, path, event, wait_s=5.0)           # no reader: not waited for
-    assert time.monotonic() - started < 1.0
+    assert not send_datagram(sender, path, event, wait_s=600.0)         # no reader: not waited for
+    assert time.monotonic() - started < 60
