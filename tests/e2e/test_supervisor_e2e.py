@@ -133,7 +133,9 @@ def test_a_rank_that_stops_stepping_is_detected_and_restarted(cli, quiet_env, tm
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-2000:]
     hang = _named(_events(run), "hang")[0]
-    assert hang["phase"] == "train" and hang["timeout_s"] == 5
+    # the timeout adapts to the step time (10 steps, at least the 5 s floor): on a loaded machine it is above
+    # the floor; what holds whatever the load is that the hang is never declared before it
+    assert hang["phase"] == "train" and hang["waited_s"] >= hang["timeout_s"] >= 5
     for rank in (0, 1):     # every live rank's Python stacks, from faulthandler, in its log
         dump = (run / "logs" / f"rank-{rank}.log").read_text().split("most recent call first", 1)
         assert len(dump) == 2, f"no stack dump in rank {rank}'s log"
