@@ -323,8 +323,9 @@ class RunConfig:
     dir: str = ""                  # run directory; "" = $STATE_DIRECTORY/<name> under systemd, else ./runs/<name>
     log_dir: str = ""              # event and rank logs; "" = $LOGS_DIRECTORY/<name> under systemd, else <dir>/logs
     nodes: int = 1                 # machines in the cluster, one supervisor each
-    node_rank: int = 0             # this machine's index; node 0 runs MindSpore's scheduler
-    master_addr: str = "127.0.0.1"  # node 0's address, where the scheduler listens
+    node_rank: int = 0             # this machine's index: orders the machines (whichever decides runs the scheduler)
+    master_addr: str = "127.0.0.1"  # one machine: where MindSpore's scheduler listens (several: the decider's node_addr)
+    node_addr: str = ""            # several machines: this one's address the others reach; "" = the one that reaches etcd
     master_port: int = 0           # the scheduler's port; 0 = a free port, fresh each generation (single node)
     coordinator: str = ""          # etcd://HOST:PORT[,HOST:PORT…]: the nodes' daemons agree through it (run.nodes > 1)
     coordinator_prefix: str = ""   # this run's etcd keys live under it; "" = /llm-pretrain/<name>/
@@ -373,6 +374,8 @@ class RunConfig:
                   "(no limit) or a byte count from 16777216 (16 MiB) to 2**50")
         if not self.master_addr or any(c.isspace() for c in self.master_addr):
             _fail(f"run.master_addr = {self.master_addr!r} must be a host name or address")
+        if any(c.isspace() for c in self.node_addr):
+            _fail(f"run.node_addr = {self.node_addr!r} must be a host name or address (or \"\": found)")
         allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
         if not self.name or not set(self.name) <= allowed or self.name.startswith("."):
             _fail(f"run.name = {self.name!r} is not allowed; use letters, digits, '-', '_' and '.' "

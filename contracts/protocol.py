@@ -317,16 +317,22 @@ class Command:
     seq: int                  # 1, 2, 3, … in file order
     name: str                 # one of COMMANDS
     args: dict = dataclasses.field(default_factory=dict)
+    generation: int = 0       # several machines: only this generation's ranks apply it (0: any)
 
     def to_json(self) -> str:
-        return json.dumps({"seq": self.seq, "name": self.name, "args": self.args}, sort_keys=True)
+        line = {"seq": self.seq, "name": self.name, "args": self.args}
+        if self.generation:
+            line["generation"] = self.generation
+        return json.dumps(line, sort_keys=True)
 
     @classmethod
     def from_json(cls, line: str) -> "Command":
         data = json.loads(line)
         if not isinstance(data, dict) or not isinstance(data.get("seq"), int) or data.get("name") not in COMMANDS:
             raise ValueError(f"not a command: {line[:80]!r}")
-        return cls(seq=data["seq"], name=data["name"], args=dict(data.get("args") or {}))
+        generation = data.get("generation", 0)
+        return cls(seq=data["seq"], name=data["name"], args=dict(data.get("args") or {}),
+                   generation=generation if isinstance(generation, int) else -1)
 
 
 def send_datagram(sock, path: str, event: _Event, wait_s: float = 0.0) -> bool:

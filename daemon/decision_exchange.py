@@ -1,7 +1,8 @@
-"""What crosses between a multi-node run's daemons besides generations: node 0's recovery decision
-for the incident that ended a generation (node 0 decides as on one machine and publishes; the
-others apply exactly what it published), operator requests made on any node (they reach node 0),
-and the ranks' commands (node 0 alone writes them, for all). Builds on daemon.membership.
+"""What crosses between a multi-node run's daemons besides generations: the decider's recovery
+decision for the incident that ended a generation (it decides as on one machine and publishes,
+fenced; the others apply exactly what it published, and elect another if it is lost first),
+operator requests made on any node (the decider takes each once), and the ranks' commands (the
+decider alone writes them, for all, after confirming it still decides). Builds on daemon.membership.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from contracts.config import Config
 from daemon import decisions
 from daemon.control import Request
 from daemon.etcd_client import EtcdError
+from daemon.etcd_keys import NotLeaderError
 from daemon.incidents import Incident
 from daemon.ledger import Ledger
-from daemon.membership import Membership
+from daemon.membership import BecameLeader, Membership
 from daemon.run_files import RunFiles
 
 
@@ -29,33 +31,56 @@ class DecisionExchange:
 
     def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
                 stopping: Callable[[], bool]) -> decisions.Decision | None:
-        """Node 0 decides (as on one machine) and publishes; the others apply what it published.
-        None: a stop came while waiting for the decision."""
+        """The decider decides (as on one machine) and publishes; the others apply what it published,
+        and one of them decides if the decider is lost meanwhile. None: a stop, or the run's end,
+        came while waiting for the decision."""
         number = ledger.state.generation
-        if self.is_leader:
-            decision = decisions.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
-            published = {"record": decision.record.to_dict(), "config_changes": ledger.state.config_changes,
-                         "recovery": ledger.state.recovery.to_dict() if ledger.state.recovery else None,
-                         "resume_step": decision.resume_step}
-            if not self.m.retrying(lambda: self.coord.publish_decision(number, published), ledger, stopping):
+        while True:
+            if self.is_leader:
+                decision = decisions.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg,
+                                                       base_cfg=base_cfg)
+                published = {"record": decision.record.to_dict(), "config_changes": ledger.state.config_changes,
+                             "recovery": ledger.state.recovery.to_dict() if ledger.state.recovery else None,
+                             "resume_step": decision.resume_step}
+                written = self.m.retrying(lambda: self.coord.publish_decision(number, published), ledger, stopping)
+                if written is None:
+                    return None
+                if written:
+                    self._forget_before(number)
+                    return decision
+                # deposed before it was published: the new decider's decision is the one that stands
+            published = self.m.wait_for(lambda: self.coord.decision(number), ledger, stopping, "waiting_for_decision",
+                                        lambda: {"generation": number, "incident": incident.kind.value},
+                                        follower=True)
+            if published is None:
                 return None
+            if not isinstance(published, BecameLeader):
+                return decisions.apply_published(published, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
+
+    def _forget_before(self, number: int) -> None:
+        try:
             self.coord.forget_before(number)
-            return decision
-        published = self.m.wait_for(lambda: self.coord.decision(number), ledger, stopping, "waiting_for_decision",
-                                   lambda: {"generation": number}, need_leader=True)
-        if published is None:
-            return None
-        return decisions.apply_published(published, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
+        except EtcdError:
+            pass                                 # tried again after the next decision
 
     def requests(self) -> list[Request]:
-        """Node 0: operator requests dropped on any node."""
+        """The decider: operator requests dropped on any node, each taken once."""
         if not self.is_leader:
             return []
-        return [Request(r["name"], dict(r.get("body") or {}), f"node {r.get('node')}: {r.get('file', '')}".rstrip(": "))
-                for r in self.coord.new_requests() if r.get("name")]
+        taken = []
+        for key, r in self.coord.pending_requests():
+            try:
+                if not self.coord.take_request(key):
+                    continue
+            except EtcdError:
+                break
+            if r.get("name"):
+                taken.append(Request(r["name"], dict(r.get("body") or {}),
+                                     f"node {r.get('node')}: {r.get('file', '')}".rstrip(": ")))
+        return taken
 
     def forward(self, request: Request) -> bool:
-        """A request on a node that does not write the ranks' commands: sent to node 0 (True)."""
+        """A request on a node that does not decide: sent to the decider (True)."""
         if self.is_leader:
             return False
         try:
@@ -64,10 +89,29 @@ class DecisionExchange:
             return False
         return True
 
-    def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
-        """A command for the ranks: node 0 writes it for all; another node asks node 0 for a stop (its
-        own signal) and leaves the rest to node 0, which saw the same requests."""
-        if self.is_leader:
-            ledger.command_sent(name, args, append)
+    def confirm(self) -> bool:
+        """This daemon still decides, checked against etcd now (the fencing token): before a write
+        outside etcd only the decider makes (the ranks' commands, retiring checkpoints). False only
+        when etcd refused the token; with etcd silent it goes by what it knew (its commands are
+        stamped with their generation, which only that generation's ranks apply)."""
+        try:
+            self.coord.confirm_leadership()
+        except NotLeaderError:
+            return False
+        except EtcdError:
+            return bool(self.coord.token)
+        return True
+
+    def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int], *,
+             leads: bool) -> None:
+        """A command for the ranks: the daemon that published the generation (`leads`) writes it for
+        all unless etcd refused its token since; another node asks the decider for a stop (its own
+        signal) and leaves the rest to it, which saw the same requests."""
+        if leads:
+            if self.confirm():
+                ledger.command_sent(name, args, append)
+            else:
+                ledger.emit("command_withheld", level="warning", name=name, args=args,
+                            detail="this daemon no longer decides for the run")
         elif name == "stop" and self.forward(Request("stop", {"reason": f"node {self.coord.node} stopping"}, "signal")):
-            ledger.emit("stop_forwarded", node=self.coord.node, detail="asked node 0 to stop the run")
+            ledger.emit("stop_forwarded", node=self.coord.node, detail="asked the decider to stop the run")

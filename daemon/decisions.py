@@ -18,7 +18,7 @@ import tenacity
 from checkpointing import layout
 from contracts.config import Config, HealthConfig, with_changes
 from contracts.protocol import ExitCode, RecoveryDirective
-from daemon import policy
+from daemon import policy, watch
 from daemon.incidents import Action, Halt, Incident, IncidentRecord, Rollback
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
@@ -99,6 +99,20 @@ def give_up(decision: Decision, ledger: Ledger, files: RunFiles) -> int:
                 committed_step=decision.record.committed_step, last_incident=decision.record.log_fields())
     cause = {ExitCode.GAVE_UP_CRASH_LOOP: "crash_loop", ExitCode.DATA_ERROR: "data"}.get(code, "numerics")
     return ledger.exit(code, "gave_up", cause, "error")
+
+
+def end_as(outcome: watch.Finished | watch.Stopped | watch.WorkerFailed | watch.Ended, ledger: Ledger, *,
+           stop_code: int, stop_reason: str | None) -> int:
+    """The daemon ends as `outcome` says: finished, stopped (with `stop_code`: 75 when etcd was gone
+    too long), a rank's fatal error, or (multi-node) as the decider ended the run."""
+    if isinstance(outcome, watch.WorkerFailed):
+        return ledger.exit(outcome.code, "failed", "worker_error", "error", detail=outcome.detail)
+    if isinstance(outcome, watch.Ended):
+        return ledger.exit(outcome.code, outcome.status, outcome.reason, "error" if outcome.code else "info",
+                           detail=outcome.detail)
+    kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
+    code = stop_code if kind == "stopped" else ExitCode.OK
+    return ledger.exit(code, kind, kind, step=outcome.step, **({"detail": stop_reason} if stop_reason else {}))
 
 
 def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> None:

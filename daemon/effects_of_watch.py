@@ -14,8 +14,8 @@ from daemon.run_files import RunFiles
 
 def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generation, peers, files: RunFiles,
               cfg: Config) -> None:
-    """`peers`: daemon.peers.Alone or daemon.nodes.Nodes (commands go through it; only node 0 retires
-    checkpoints)."""
+    """`peers`: daemon.peers.Alone or daemon.nodes.Nodes (commands go through it; only the decider
+    retires checkpoints, its leadership confirmed first)."""
     for e in effects:
         if isinstance(e, watch.Send):
             peers.send(e.name, dict(e.args), ledger, files.append_command)
@@ -31,7 +31,8 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.checkpoint_failed(e.step, e.detail)
         elif isinstance(e, watch.Committed):
             ledger.checkpoint_committed(e.step)
-            retired = peers.is_leader and files.retire_old(cfg, ledger.state.incidents, current_step=e.current_step)
+            retired = peers.is_leader and peers.confirm() and files.retire_old(cfg, ledger.state.incidents,
+                                                                               current_step=e.current_step)
             if retired:
                 ledger.emit("checkpoints_retired", step=e.step, steps=retired)
             _disk_space(ledger, files, e.step)

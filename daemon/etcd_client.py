@@ -162,6 +162,12 @@ class Etcd:
         out = self._post("/v3/kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
         return bool(out.get("succeeded"))
 
+    def txn(self, compare: Sequence[dict], success: Sequence[dict], failure: Sequence[dict] = ()) -> tuple[bool, int]:
+        """One transaction (the `compare_*` and `op_*` helpers build its parts): whether the comparisons
+        held, and the store's revision after it (the revision of its writes, when it wrote)."""
+        out = self._post("/v3/kv/txn", {"compare": list(compare), "success": list(success), "failure": list(failure)})
+        return bool(out.get("succeeded")), int(out.get("header", {}).get("revision", 0))
+
     # Leases ------------------------------------------------------------------------------------
     def grant(self, ttl_s: int) -> int:
         return int(self._post("/v3/lease/grant", {"TTL": str(int(ttl_s))})["ID"])
@@ -214,3 +220,36 @@ class Etcd:
             raise EtcdUnavailableError(f"etcd watch at {self.endpoints[index][0]}: {e}") from e
         finally:
             conn.close()
+
+
+# Transaction parts ---------------------------------------------------------------------------------
+def compare_created(key: bytes | str, revision: int) -> dict:
+    """The key was created at `revision` (0: it does not exist): etcd's election fencing compare."""
+    return {"key": _b64(key), "target": "CREATE", "result": "EQUAL", "create_revision": str(revision)}
+
+
+def compare_exists(key: bytes | str) -> dict:
+    return {"key": _b64(key), "target": "CREATE", "result": "GREATER", "create_revision": "0"}
+
+
+def compare_modified(key: bytes | str, revision: int) -> dict:
+    """The key's last write was at `revision` (0: it does not exist)."""
+    if revision == 0:
+        return compare_created(key, 0)
+    return {"key": _b64(key), "target": "MOD", "result": "EQUAL", "mod_revision": str(revision)}
+
+
+def op_put(key: bytes | str, value: bytes | str, *, lease: int = 0) -> dict:
+    put = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {"request_put": put}
+
+
+def op_delete(key: bytes | str) -> dict:
+    return {"request_delete_range": {"key": _b64(key)}}
+
+
+def op_delete_prefix(prefix: bytes | str) -> dict:
+    prefix = prefix.encode() if isinstance(prefix, str) else prefix
+    return {"request_delete_range": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}}

@@ -2,14 +2,27 @@
 
 Owns the run's keys and what each means:
 
-    nodes/<n>         this node's daemon is alive: bound to its lease (TTL run.node_lease_ttl_s)
-    generation        {number, members, port, resume_step, config_changes}: advanced by node 0 only, compare-and-swap
+    identity          the run: {run_id, trajectory}: a daemon of another run (another run directory,
+                      another trajectory) is refused before it writes a key (daemon.membership)
+    nodes/<n>         node n's daemon is alive: {node, addr, host, pid, daemon}, bound to its lease
+                      (TTL run.node_lease_ttl_s); one daemon per node rank
+    leader            the decider: {node, addr, daemon}, created only where absent and bound to the
+                      decider's lease (etcd's election pattern); its create_revision is the fencing
+                      token that every write acting on the run compares, so a deposed decider, or one
+                      that only believes it decides, writes nothing
+    generation        {number, members, addr, port, resume_step, config_changes}: the decider's, fenced
     end/<g>           why generation g ends: the first node to know writes it (create-only), every
                       node tears its ranks down when it appears
-    decision/<g>      node 0's recovery decision for the incident that ended g: the others apply it
-    requests/<id>     an operator request dropped on any node, for node 0 to act on for all
-    marker            node 0's token in the shared run directory (the others check they see it)
-    run               how node 0's daemon ended the run {code, status, marker}: the others follow
+    decision/<g>      the decider's recovery decision for the incident that ended g: fenced
+    requests/<id>     an operator request dropped on any node; the decider takes it (a fenced delete)
+    run               how the run ended {code, status, run_id}, by the decider (fenced): the others follow
+
+Who decides: any daemon of the run. When there is no leader key, the lowest-ranked live node
+campaigns at once and the others once every lower-ranked node has been absent a while (two lease
+TTLs for one never seen, as while a run starts; PREFER_LOWER_S for one seen leaving), so a fresh run
+is decided by node 0 and a lost decider is replaced about a second after its lease expires. A decider is deposed when it learns it is: its
+lease expired, another leader key is seen, a fenced write is refused, or its lease has gone
+unrenewed past the TTL (etcd may have expired it already).
 
 A background thread keeps the lease alive and a mirror of every key under the prefix, fed by an
 etcd watch, so the supervisor's loop reads only memory and never waits on the network; writes
@@ -27,9 +40,23 @@ import uuid
 from typing import Any, Callable
 
 from contracts.config import Config
-from daemon.etcd_client import Etcd, EtcdError, EtcdUnavailableError
+from daemon.etcd_client import (
+    Etcd,
+    EtcdError,
+    EtcdUnavailableError,
+    KeyValue,
+    compare_created,
+    compare_exists,
+    compare_modified,
+    op_delete,
+    op_put,
+)
 
-LEADER = 0
+PREFER_LOWER_S = 1.0         # a node lets lower-ranked live nodes campaign first for this long
+
+
+class NotLeaderError(EtcdError):
+    """A fenced write was refused: this daemon no longer decides for the run."""
 
 
 class Coordinator:
@@ -38,18 +65,19 @@ class Coordinator:
         self.ttl_s = cfg.run.node_lease_ttl_s
         self.prefix = cfg.run.key_prefix
         self.client, self.clock = client, clock
+        self.daemon = uuid.uuid4().hex            # this daemon, among every daemon that ever ran the run
+        self.addr = cfg.run.node_addr or local_addr(client)
         self.lease = 0
-        self._mirror: dict[str, tuple[Any, int]] = {}     # key (after the prefix) → (value, mod_revision)
+        self.token = 0                            # the leader key's create_revision while this daemon decides
+        self._mirror: dict[str, KeyValue] = {}    # key (after the prefix) → its last write
         self._revision = 0
-        self._contact = clock()                             # the last time etcd answered
+        self._contact = clock()                   # the last time etcd answered
+        self._renewed = clock()                   # the last time this daemon's lease was renewed (sent at)
+        self._absent_since: dict[int, float] = {}  # lower-ranked nodes not live, since when (this daemon's view)
+        self._seen: set[int] = set()              # nodes this daemon has seen live
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._seen_requests: set[str] = set()
-
-    @property
-    def is_leader(self) -> bool:
-        return self.node == LEADER
 
     # Life ---------------------------------------------------------------------------------------
     def join(self) -> None:
@@ -66,22 +94,32 @@ class Coordinator:
         self._stopping.set()
         try:
             if self.lease:
-                self.client.revoke(self.lease)
+                self.client.revoke(self.lease)      # the leader key goes with it: the others elect at once
         except EtcdError:
             pass                                    # the lease expires by itself
 
+    def record(self) -> dict:
+        return {"node": self.node, "addr": self.addr, "host": socket.gethostname(), "pid": os.getpid(),
+                "daemon": self.daemon}
+
     def _register(self) -> None:
-        self.lease = self.client.grant(self.ttl_s)
-        self.client.put(self._key(f"nodes/{self.node}"), json.dumps(
-            {"node": self.node, "host": socket.gethostname(), "pid": os.getpid()}), lease=self.lease)
+        sent = self.clock()
+        lease = self.client.grant(self.ttl_s)
+        self.client.put(self._key(f"nodes/{self.node}"), json.dumps(self.record()), lease=lease)
+        with self._lock:
+            self.lease, self.token = lease, 0      # a new lease: whatever was bound to the old one is gone
+            self._renewed = sent
         self._touch()
 
     def _keep_alive(self) -> None:
-        while not self._stopping.wait(max(0.5, self.ttl_s / 3)):
+        while not self._stopping.wait(max(0.3, self.ttl_s / 4)):
+            sent = self.clock()
             try:
                 if self.client.keep_alive(self.lease) <= 0:      # expired while etcd was away: join again
                     self._register()
                 else:
+                    with self._lock:
+                        self._renewed = sent
                     self._touch()
             except EtcdError:
                 continue
@@ -110,7 +148,7 @@ class Coordinator:
     def _refresh(self) -> None:
         kvs, revision = self.client.get_prefix(self.prefix)
         with self._lock:
-            self._mirror = {kv.key.decode()[len(self.prefix):]: (_decode(kv.value), kv.mod_revision) for kv in kvs}
+            self._mirror = {kv.key.decode()[len(self.prefix):]: kv for kv in kvs}
             self._revision = revision
         self._touch()
 
@@ -121,7 +159,7 @@ class Coordinator:
                 if event.type == "DELETE":
                     self._mirror.pop(key, None)
                 else:
-                    self._mirror[key] = (_decode(event.kv.value), event.kv.mod_revision)
+                    self._mirror[key] = event.kv
                 self._revision = max(self._revision, event.kv.mod_revision)
         self._touch()
 
@@ -133,18 +171,29 @@ class Coordinator:
         with self._lock:
             return max(0.0, now - self._contact)
 
+    def unrenewed_s(self, now: float) -> float:
+        """How long since this daemon's lease was last renewed (etcd expires it after the TTL)."""
+        with self._lock:
+            return max(0.0, now - self._renewed)
+
     def _key(self, name: str) -> str:
         return self.prefix + name
 
     def _get(self, name: str) -> Any:
         with self._lock:
             entry = self._mirror.get(name)
-        return None if entry is None else entry[0]
+        return None if entry is None else _decode(entry.value)
 
     # What the mirror says -----------------------------------------------------------------------
     def live_nodes(self) -> list[int]:
         with self._lock:
-            return sorted(int(k.split("/", 1)[1]) for k in self._mirror if k.startswith("nodes/"))
+            return sorted(int(k.split("/", 1)[1]) for k in self._mirror
+                          if k.startswith("nodes/") and k.split("/", 1)[1].isdigit())
+
+    def leader(self) -> dict | None:
+        """The decider's record ({node, addr, daemon}), None while there is none."""
+        value = self._get("leader")
+        return value if isinstance(value, dict) else None
 
     def generation(self) -> dict | None:
         return self._get("generation")
@@ -155,26 +204,100 @@ class Coordinator:
     def decision(self, number: int) -> dict | None:
         return self._get(f"decision/{number}")
 
-    def new_requests(self) -> list[dict]:
-        """Operator requests not taken yet (node 0 acts on them), oldest first."""
+    def run_end_kv(self) -> KeyValue | None:
+        """How the run ended, as last written (its mod_revision tells an old end from a new one)."""
         with self._lock:
-            fresh = [(rev, k, v) for k, (v, rev) in self._mirror.items()
-                     if k.startswith("requests/") and k not in self._seen_requests]
-        fresh.sort(key=lambda item: item[0])
-        self._seen_requests.update(k for _, k, _ in fresh)
-        return [v for _, _, v in fresh if isinstance(v, dict)]
+            return self._mirror.get("run")
+
+    def pending_requests(self) -> list[tuple[str, dict]]:
+        """Operator requests not taken yet (the decider takes them), oldest first: (key, request)."""
+        with self._lock:
+            fresh = sorted(((kv.mod_revision, k, _decode(kv.value)) for k, kv in self._mirror.items()
+                            if k.startswith("requests/")), key=lambda item: item[0])
+        return [(k, v) for _, k, v in fresh if isinstance(v, dict)]
+
+    # Deciding -----------------------------------------------------------------------------------
+    @property
+    def is_leader(self) -> bool:
+        return self.holds_leadership(self.clock())
+
+    def holds_leadership(self, now: float) -> bool:
+        """This daemon decides: it won the election with its current lease, renewed within the TTL,
+        and no other leader key is seen."""
+        with self._lock:
+            if not self.token:
+                return False
+            seen = self._mirror.get("leader")
+            if seen is None or seen.create_revision != self.token:
+                self.token = 0                  # the key went with the lease, or another won since
+                return False
+            return now - self._renewed <= self.ttl_s     # unsure meanwhile; renewed, it decides again
+
+    def campaign(self, now: float) -> bool:
+        """Where no leader key stands and it is this node's turn (lower-ranked live nodes first, for
+        PREFER_LOWER_S), tries to become the decider (a create-if-absent bound to its lease). True
+        if this daemon decides now."""
+        if self.holds_leadership(now):
+            return True
+        live = set(self.live_nodes())
+        self._seen.update(live)
+        for n in range(self.node):
+            if n in live:
+                self._absent_since.pop(n, None)
+            else:
+                self._absent_since.setdefault(n, now)
+        if self.leader() is not None or self.node not in live:
+            return False
+        if any(n in live or now - self._absent_since[n] < self._preference_s(n) for n in range(self.node)):
+            return False
+        value = {"node": self.node, "addr": self.addr, "daemon": self.daemon}
+        won, revision = self.client.txn([compare_created(self._key("leader"), 0)],
+                                        [op_put(self._key("leader"), json.dumps(value), lease=self.lease)])
+        if won:
+            with self._lock:
+                self.token = revision
+                self._mirror["leader"] = KeyValue(self._key("leader").encode(), json.dumps(value).encode(),
+                                                  revision, revision, self.lease)
+        return won
+
+    def _preference_s(self, node: int) -> float:
+        """How long a lower-ranked node may be absent before this one campaigns: a node this daemon
+        never saw (a run starting: its daemon may still be starting) two lease TTLs, one it saw
+        leave PREFER_LOWER_S."""
+        return PREFER_LOWER_S if node in self._seen else max(PREFER_LOWER_S, 2.0 * self.ttl_s)
+
+    def _fenced(self, ops: list[dict], *compares: dict) -> bool:
+        """Writes `ops` only while this daemon's leader key stands (the fencing token) and `compares`
+        hold. Raises NotLeaderError when the token does not; False when only `compares` failed."""
+        token = self.token
+        if not token:
+            raise NotLeaderError("this daemon does not decide for the run")
+        fence = compare_created(self._key("leader"), token)
+        if self.client.txn([fence, *compares], ops)[0]:
+            return True
+        if compares and self.client.txn([fence], [])[0]:
+            return False
+        with self._lock:
+            self.token = 0
+        raise NotLeaderError("another daemon decides for the run now (this one's leader key is gone)")
+
+    def confirm_leadership(self) -> None:
+        """Before a write outside etcd that only the decider may make (the ranks' commands, retiring
+        checkpoints): raises NotLeaderError if this daemon's leader key no longer stands."""
+        self._fenced([])
 
     # Writes ---------------------------------------------------------------------------------------
-    def publish_generation(self, number: int, *, members: list[int], port: int, resume_step: int,
+    def publish_generation(self, number: int, *, members: list[int], addr: str, port: int, resume_step: int,
                            config_changes: dict | None = None) -> bool:
-        """Node 0 starts generation `number` unless the stored one moved on meanwhile (CAS)."""
+        """The decider starts generation `number` unless the stored one moved on meanwhile (a CAS,
+        fenced)."""
         current = self.client.get(self._key("generation"))
         if current is not None and _decode(current.value).get("number", -1) >= number:
             return False
-        value = {"number": number, "members": members, "port": port, "resume_step": resume_step,
-                 "config_changes": config_changes or {}}
-        return self.client.put_if(self._key("generation"), json.dumps(value),
-                                  mod_revision=0 if current is None else current.mod_revision)
+        value = {"number": number, "members": members, "addr": addr, "port": port, "resume_step": resume_step,
+                 "config_changes": config_changes or {}, "leader": self.node}
+        return self._fenced([op_put(self._key("generation"), json.dumps(value))],
+                            compare_modified(self._key("generation"), 0 if current is None else current.mod_revision))
 
     def end_generation(self, number: int, cause: dict) -> dict:
         """Says why generation `number` ends, unless another node said it first; returns the cause
@@ -187,28 +310,42 @@ class Coordinator:
         return {**cause, "node": self.node}
 
     def publish_decision(self, number: int, decision: dict) -> None:
-        self.client.put(self._key(f"decision/{number}"), json.dumps(decision))
-
-    def run_end(self) -> dict | None:
-        return self._get("run")
+        self._fenced([op_put(self._key(f"decision/{number}"), json.dumps(decision))])
 
     def finish_run(self, value: dict) -> None:
-        self.client.put(self._key("run"), json.dumps(value))
+        self._fenced([op_put(self._key("run"), json.dumps(value))])
 
     def send_request(self, name: str, body: dict) -> None:
         self.client.put(self._key(f"requests/{uuid.uuid4().hex}"),
                         json.dumps({"name": name, "body": body, "node": self.node}))
 
+    def take_request(self, key: str) -> bool:
+        """The decider takes a request (deletes it, fenced): True if it was still there to take."""
+        return self._fenced([op_delete(self._key(key))], compare_exists(self._key(key)))
+
     def forget_before(self, number: int) -> None:
-        """Node 0 drops the end and decision keys of generations before `number` (bounded growth)."""
-        for name in list(self._snapshot()):
+        """The decider drops the end and decision keys of generations before `number` - 1 (bounded growth)."""
+        with self._lock:
+            names = list(self._mirror)
+        stale = []
+        for name in names:
             kind, _, g = name.partition("/")
             if kind in ("end", "decision") and g.isdigit() and int(g) < number - 1:
-                self.client.delete(self._key(name))
+                stale.append(op_delete(self._key(name)))
+        if stale:
+            self._fenced(stale)
 
-    def _snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            return {k: v for k, (v, _) in self._mirror.items()}
+
+def local_addr(client: Etcd) -> str:
+    """This machine's address on the interface that reaches etcd (a UDP socket connected, no packet
+    sent), so that the decider's MindSpore scheduler is published where the others reach it."""
+    host, port = client.endpoints[0]
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, port))
+            return s.getsockname()[0]
+    except OSError:
+        return "127.0.0.1"
 
 
 def _decode(value: bytes) -> Any:

@@ -1,11 +1,13 @@
 """How a multi-node run opens and ends each generation, through etcd.
 
-Owns: node 0 publishing a generation (its gathered nodes, the config shaped for them — the same
-global batch on fewer machines, contracts.elastic — the port and the step it resumes from, as a
-compare-and-swap only node 0 wins) and the other nodes waiting for one with them in it; hearing
-during a generation that it ends elsewhere (a peer's incident, a node lost, a lost node back);
-saying why it ended here (the first node to say it sets the cause for all); and, at a daemon's
-start, ending the generation it was in when its previous daemon died. Builds on daemon.membership.
+Owns: the decider publishing a generation (its gathered nodes, the config shaped for them — the
+same global batch on fewer machines, contracts.elastic — its own address for MindSpore's scheduler,
+the port and the step it resumes from, as a fenced compare-and-swap) and the other nodes waiting
+for one with them in it (campaigning when no one decides); hearing during a generation that it
+ends elsewhere (a peer's incident, a node lost, a lost node back) or that this node is cut off
+(its ranks stop at once); saying why it ended here (the first node to say it sets the cause for
+all); and, at a daemon's start, ending the generation it was in when its previous daemon died.
+Builds on daemon.membership.
 """
 from __future__ import annotations
 
@@ -17,9 +19,10 @@ from contracts.elastic import shape_on
 from contracts.protocol import ExitCode
 from daemon import watch
 from daemon.etcd_client import EtcdError
+from daemon.etcd_keys import NotLeaderError
 from daemon.incidents import Incident, Kind
 from daemon.ledger import Ledger
-from daemon.membership import POLL_S, Membership
+from daemon.membership import POLL_S, BecameLeader, Membership
 from daemon.peers import Opened, PeersUnavailableError
 from daemon.run_files import RunFiles
 
@@ -31,37 +34,50 @@ class GenerationHandshake:
         self.m, self.cfg, self.clock = membership, membership.cfg, membership.clock
         self.coord = membership.coord
         self.members: tuple[int, ...] = ()
+        self.led = 0                  # the last generation this daemon published as the decider
 
     @property
     def is_leader(self) -> bool:
         return self.m.is_leader
 
-    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
-        """Node 0: its nodes gathered, then the shared files and the generation published. The others:
-        the next generation node 0 publishes with them in it. None: a stop came first. Raises
-        PeersUnavailableError when the run cannot go on (too few nodes, etcd or node 0 gone too long)."""
-        return self._lead(ledger, files, base, stopping) if self.is_leader else self._follow(ledger, base, stopping)
+    def open(self, ledger: Ledger, files: RunFiles, base: Config,
+             stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
+        """The decider: its nodes gathered, then the shared files and the generation published. The
+        others: the next generation the decider publishes with them in it; a follower elected while it
+        waits leads instead. A Failed outcome: an incident that ended the last generation was never
+        decided (its decider was lost): this daemon, deciding now, decides it first. None: a stop or
+        the run's end came first. Raises PeersUnavailableError when the run cannot go on (too few
+        nodes, etcd gone too long)."""
+        while True:
+            if self.is_leader:
+                if (undecided := self._undecided(ledger)) is not None:
+                    return watch.Failed(undecided)
+                opened = self._lead(ledger, files, base, stopping)
+            else:
+                opened = self._follow(ledger, base, stopping)
+            if not isinstance(opened, BecameLeader):
+                return opened
 
-    def _lead(self, ledger: Ledger, files: RunFiles, base: Config, stopping) -> Opened | None:
+    def _lead(self, ledger: Ledger, files: RunFiles, base: Config, stopping) -> Opened | BecameLeader | None:
         members = self.m.wait_for(self.m.gathered, ledger, stopping, "waiting_for_nodes", self.m.missing)
         if members is None:
             return None
-        cfg = self._shaped(base, ledger.state.config_changes, members)
+        cfg = self._shaped(base, ledger.state.config_changes, members, self.coord.addr)
+        if not self._confirmed(ledger):          # the shared files are the decider's to write
+            return BecameLeader()
         resume = files.prepare_generation(cfg, ledger.state.recovery)
         stored = self.coord.generation()
         number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
         written = self.m.retrying(lambda: self.coord.publish_generation(
-            number, members=list(members), port=cfg.run.master_port, resume_step=resume,
+            number, members=list(members), addr=self.coord.addr, port=cfg.run.master_port, resume_step=resume,
             config_changes=ledger.state.config_changes), ledger, stopping)
         if written is None:
             return None
-        if not written:          # only node 0 writes it: another daemon believes it is node 0
-            raise PeersUnavailableError(
-                f"generation {number} was published by another daemon under {self.coord.prefix}: is a second "
-                "machine configured with run.node_rank = 0, or another run using the same run.coordinator_prefix?",
-                ExitCode.CONFIG_ERROR)
+        if not written:          # deposed meanwhile, or another generation stored: follow whoever decides
+            return BecameLeader()
         before = self.members
         self._set_generation(ledger, number, members)
+        self.led = number
         if len(members) < self.cfg.run.nodes:          # said as the new generation's
             ledger.emit("nodes_shrunk", level="warning", members=list(members),
                         lost=sorted(set(range(self.cfg.run.nodes)) - set(members)), dp=cfg.parallel.dp,
@@ -69,27 +85,39 @@ class GenerationHandshake:
                         detail=f"going on with {len(members)} of {self.cfg.run.nodes} nodes, the same global batch")
         elif before and len(before) < self.cfg.run.nodes:
             ledger.emit("nodes_rejoined", members=list(members), dp=cfg.parallel.dp)
-        return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members)
+        return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members, scheduler=True)
 
-    def _follow(self, ledger: Ledger, base: Config, stopping) -> Opened | None:
+    def _confirmed(self, ledger: Ledger) -> bool:
+        try:
+            self.coord.confirm_leadership()
+            return True
+        except NotLeaderError as e:
+            ledger.emit("deposed", level="warning", node=self.coord.node, detail=str(e))
+            return False
+        except EtcdError:
+            return False
+
+    def _follow(self, ledger: Ledger, base: Config, stopping) -> Opened | BecameLeader | None:
         def published():
             g = self.coord.generation()
             after = max(ledger.state.generation, self.m.joined_at or 0)
             return g if g and g["number"] > after and self.coord.node in g.get("members", ()) else None
 
         g = self.m.wait_for(published, ledger, stopping, "waiting_for_generation",
-                           lambda: {"after": max(ledger.state.generation, self.m.joined_at or 0)}, need_leader=True)
-        if g is None:
-            return None
+                            lambda: {"after": max(ledger.state.generation, self.m.joined_at or 0)}, follower=True)
+        if g is None or isinstance(g, BecameLeader):
+            return g
         ledger.state.set_config_changes(g.get("config_changes") or {})
         members = tuple(g["members"])
         self._set_generation(ledger, g["number"], members)
-        return Opened(g["number"], int(g["port"]), int(g["resume_step"]),
-                      self._shaped(base, ledger.state.config_changes, members), self._ranks(members), members)
+        cfg = self._shaped(base, ledger.state.config_changes, members, g.get("addr") or self.cfg.run.master_addr)
+        return Opened(g["number"], int(g["port"]), int(g["resume_step"]), cfg, self._ranks(members), members,
+                      scheduler=False)
 
-    def _shaped(self, base: Config, changes: dict, members: tuple[int, ...]) -> Config:
-        """The config of a generation of `members`: the policy's changes, and the data-parallel size of
-        these nodes with the same global batch (contracts.elastic); the same on every node."""
+    def _shaped(self, base: Config, changes: dict, members: tuple[int, ...], scheduler_addr: str) -> Config:
+        """The config of a generation of `members`: the policy's changes, the data-parallel size of
+        these nodes with the same global batch (contracts.elastic), the same on every node, and where
+        the decider's MindSpore scheduler listens."""
         merged = dict(changes)
         micro = merged.get("train.micro_batch", base.train.micro_batch)
         per_node = base.parallel.world_size // base.run.nodes
@@ -100,7 +128,7 @@ class GenerationHandshake:
         slot = members.index(self.coord.node) if self.coord.node in members else 0
         merged.update({"parallel.dp": shape.dp, "train.micro_batch": shape.micro_batch,
                        "train.grad_accum_steps": shape.grad_accum_steps, "run.nodes": len(members),
-                       "run.node_rank": slot, "run.min_nodes": 0})
+                       "run.node_rank": slot, "run.min_nodes": 0, "run.master_addr": scheduler_addr})
         return with_changes(base, merged)
 
     def _ranks(self, members: tuple[int, ...]) -> tuple[int, ...]:
@@ -112,10 +140,14 @@ class GenerationHandshake:
         ledger.next_generation(number)
         self.members = members
 
-    def hear(self, number: int, now: float) -> watch.Outcome | None:
+    def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
         """The generation ends elsewhere: a peer said why, or a member node's daemon is gone; or, on
-        node 0 of a smaller generation, a lost node is back (regroup: the ranks save and the next
-        generation takes it back)."""
+        the decider of a smaller generation, a lost node is back (regroup: the ranks save and the next
+        generation takes it back); or this node is cut off from the run (see `_cut_off`). `idle_s`:
+        how long this node's ranks have made no step."""
+        if (why := self._cut_off(number, now, idle_s)) is not None:          # before a cause said elsewhere:
+            return watch.Failed(Incident(kind=Kind.NODE_LOST, first_step=0, last_step=0, rank=None, detail=why,
+                                         evidence={"nodes": [self.coord.node], "cut_off": True}))  # no grace
         cause = self.coord.ended(number)
         if cause is not None:
             return _outcome(cause)
@@ -129,6 +161,24 @@ class GenerationHandshake:
                                          evidence={"nodes": lost}))
         return None
 
+    def _cut_off(self, number: int, now: float, idle_s: float) -> str | None:
+        """Why this node's ranks must stop at once, if they must. It led this generation and learned it
+        no longer decides (its leader key is gone: another may decide now), or its lease lapsed
+        (unrenewed past the TTL) and the generation ended elsewhere meanwhile; or, led or not, its
+        lease lapsed while its ranks made no step as long (partitioned: the others may have moved on
+        without it; ranks that still step prove they have not, as when etcd is away for everyone)."""
+        me, ttl = self.coord.node, self.coord.ttl_s
+        unrenewed = self.coord.unrenewed_s(now)
+        if self.led == number and not self.coord.token:
+            return f"node {me}'s daemon no longer decides for the run (its leader key is gone): its ranks stop at once"
+        if self.led == number and unrenewed > ttl and self.coord.ended(number) is not None:
+            return (f"node {me}'s daemon no longer decides for the run (its lease unrenewed for {unrenewed:.0f} s, "
+                    "the generation ended elsewhere): its ranks stop at once")
+        if unrenewed > ttl and idle_s > ttl:
+            return (f"node {me}'s daemon has not renewed its etcd lease for {unrenewed:.0f} s and its ranks made no "
+                    f"step for {idle_s:.0f} s: cut off from the run, its ranks stop at once")
+        return None
+
     def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
         """Says why the generation ended here; the cause every node goes by (the first one said).
         Ranks that stopped with no stop asked for here (`requested`) ended for a reason elsewhere:
@@ -137,9 +187,11 @@ class GenerationHandshake:
         if isinstance(outcome, watch.Stopped) and not requested:
             outcome = self._unasked_stop(number)
         try:
-            return _outcome(self.coord.end_generation(number, _cause(outcome)))
+            stands = _outcome(self.coord.end_generation(number, _cause(outcome)))
         except EtcdError:
             return outcome
+        cut_off = isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off")
+        return outcome if cut_off else stands       # a cut-off node's ranks stop at once whatever the cause
 
     def _unasked_stop(self, number: int) -> watch.Outcome:
         deadline = self.clock() + self.coord.ttl_s + 2.0
@@ -152,26 +204,35 @@ class GenerationHandshake:
 
     def unfinished(self, ledger: Ledger) -> Incident | None:
         """At the start: the generation this node was in when its daemon died may still run elsewhere
-        without it: it ends (a node lost) so the run restarts with this node. Node 0 returns the
-        incident of a generation that ended undecided: it decides that first."""
+        without it: it ends (a node lost) so the run restarts with this node. What ended undecided
+        is decided by whichever daemon decides (`open` returns it to the decider)."""
         g = self.coord.generation()
         if not g:
             return None
         number, members = g["number"], tuple(g.get("members", ()))
         if number > (self.m.joined_at or 0):           # started since this daemon joined: it is in it
             return None
-        cause = self.coord.ended(number)
-        if cause is None and self.coord.node in members:
+        if self.coord.ended(number) is None and self.coord.node in members:
             incident = Incident(kind=Kind.NODE_LOST, first_step=0, last_step=0,
                                 detail=f"node {self.coord.node}'s daemon restarted during generation {number}",
                                 evidence={"nodes": [self.coord.node]})
-            cause = self.coord.end_generation(number, _cause(watch.Failed(incident)))
-        if not self.is_leader or cause is None or self.coord.decision(number) is not None:
+            try:
+                self.coord.end_generation(number, _cause(watch.Failed(incident)))
+            except EtcdError:
+                pass
+        return None
+
+    def _undecided(self, ledger: Ledger) -> Incident | None:
+        """The stored generation ended with an incident no decider decided (it was lost first, or
+        the whole run was): the decider decides it as that generation's, before the next one."""
+        g = self.coord.generation()
+        if not g or self.coord.decision(g["number"]) is not None:
             return None
-        outcome = _outcome(cause)
+        cause = self.coord.ended(g["number"])
+        outcome = _outcome(cause) if cause is not None else None
         if not isinstance(outcome, watch.Failed):
             return None
-        self._set_generation(ledger, number, members)
+        self._set_generation(ledger, g["number"], tuple(g.get("members", ())))
         return outcome.incident
 
 

@@ -40,6 +40,7 @@ class Ledger:
         self.sample_ranges: dict[int, tuple[int, int]] = {}   # step -> global sample range [a, b)
         self.step_times: deque[float] = deque(maxlen=STEP_TIMES_KEPT)
         self.reopen_requested = False      # set by SIGHUP (from a signal handler: only a flag)
+        self.exit_reason = ""              # why the daemon ended (its daemon_exit reason): the others follow it
         self.state_file = StateFile(run_dir, self.emit)
         self.generation_opened: float | None = None   # the current generation opened, until its first step
         self.disk_space_low = False        # said with a disk_space_low warning; cleared when space comes back
@@ -121,6 +122,7 @@ class Ledger:
     def exit(self, code: int, status: str, reason: str, level: str = "info", **fields: Any) -> int:
         """The daemon ends with `code`: its status saved, a `daemon_exit` event."""
         self.set_status(status)
+        self.exit_reason = reason
         self.emit("daemon_exit", level=level, code=int(code), reason=reason, **fields)
         self.metrics.update(up=0, exit_code=int(code))     # the textfile says the daemon is gone, and how
         self.metrics.flush(force=True)

@@ -1,31 +1,38 @@
 """A multi-node run's membership: this daemon's place among the run's machines, through etcd.
 
-Owns joining and leaving (this node's lease, daemon.etcd_keys), the check that every node sees the
-same run directory (node 0's marker), which nodes are live, node 0's gathering of its nodes for a
-generation (all of them, or after run.node_rejoin_timeout_s the live ones if there are enough), how
-long etcd has been silent (`cut_off`), the waits and retried writes that go on only while etcd and
-node 0 are there, and how the run ended (node 0 records it; the others follow). The generation
-handshake (daemon.generation_handshake) and the decision exchange (daemon.decision_exchange) build
-on it; daemon.nodes composes the three into the supervisor's Peers.
+Owns joining and leaving: the run's identity checked before any key is written (a daemon of
+another run directory or trajectory is refused, exit 78, while the run has live nodes), this node's
+rank claimed (one daemon per rank: a live one elsewhere refuses the newcomer, exit 78), its lease
+(daemon.etcd_keys). Then which nodes are live, the election of the decider (any node; the lowest
+ranks first), the decider's gathering of its nodes for a generation (all of them, or after
+run.node_rejoin_timeout_s the live ones if there are enough), how long etcd has been silent
+(`cut_off`), the waits and retried writes that go on only while etcd is there (a node that waits
+for a decider that is gone campaigns itself), and how the run ended (the decider records it; the
+others follow with the same code). The generation handshake (daemon.generation_handshake) and
+the decision exchange (daemon.decision_exchange) build on it; daemon.nodes composes the three.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import time
-import uuid
 from typing import Callable
 
-from contracts.config import Config
+from checkpointing import layout
+from contracts.config import Config, config_hash
 from contracts.protocol import ExitCode
 from daemon import watch
-from daemon.etcd_client import Etcd, EtcdError
-from daemon.etcd_keys import Coordinator
+from daemon.etcd_client import Etcd, EtcdError, compare_modified, op_delete_prefix, op_put
+from daemon.etcd_keys import Coordinator, NotLeaderError
 from daemon.ledger import Ledger
 from daemon.peers import PeersUnavailableError
 from daemon.run_files import RunFiles
 
 POLL_S = 0.2
-MARKER = "coordinator.marker"        # node 0 writes it into the run directory; the others must see it
+
+
+class BecameLeader:
+    """What a follower's wait returns when it was elected meanwhile: it now leads instead."""
 
 
 class Membership:
@@ -34,57 +41,108 @@ class Membership:
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
         self.coord = Coordinator(cfg, Etcd.from_url(cfg.run.coordinator, timeout_s=2.0), clock=clock)
-        self.is_leader = self.coord.is_leader
         self.joined_at: int | None = None       # the generation number stored when this daemon joined
-        self.marker = ""                        # node 0's token for this daemon's run (see _check_shared)
-        self._waiting_since: float | None = None  # node 0 began to wait for missing nodes
+        self.joined_revision = 0                # etcd's revision then: older run ends are another daemon's
+        self.run_id = ""                        # the run directory's identity (checkpointing.layout.run_id)
+        self._leaderless_since: float | None = None
+        self._waiting_since: float | None = None     # the decider began to wait for missing nodes
 
+    @property
+    def is_leader(self) -> bool:
+        return self.coord.is_leader
+
+    # Joining -------------------------------------------------------------------------------------
     def start(self, ledger: Ledger, files: RunFiles) -> None:
+        """Checks the run's identity and claims this node's rank (before writing any key), joins,
+        and campaigns if no one decides yet."""
         try:
-            # read before joining: node 0 starts no generation with this node until it has joined, so
-            # any generation stored now that names this node was one of a previous daemon's
-            stored = self.coord.client.get(self.coord.prefix + "generation")
-            self.joined_at = json.loads(stored.value).get("number", 0) if stored else 0
+            files.run_dir.mkdir(parents=True, exist_ok=True)
+            self.run_id = layout.run_id(files.run_dir)
+        except OSError as e:
+            raise PeersUnavailableError(f"run.dir {files.run_dir}: {e.strerror or e}", ExitCode.CANT_CREATE) from e
+        try:
+            kvs, revision = self.coord.client.get_prefix(self.coord.prefix)
+            stored = {kv.key.decode()[len(self.coord.prefix):]: kv for kv in kvs}
+            self._check_identity(stored, files)
+            self._claim_rank(stored)
+            generation = stored.get("generation")
+            self.joined_at = json.loads(generation.value).get("number", 0) if generation else 0
+            self.joined_revision = revision
             self.coord.join()
-            self._check_shared(files)
+            self.coord.campaign(self.clock())
         except EtcdError as e:
             raise PeersUnavailableError(f"run.coordinator {self.cfg.run.coordinator}: {e}", ExitCode.TEMP_FAIL) from e
-        ledger.emit("node_joined", node=self.coord.node, nodes=self.cfg.run.nodes, leader=self.is_leader,
-                    live=self.coord.live_nodes(), stored_generation=self.joined_at, prefix=self.coord.prefix)
+        ledger.emit("node_joined", node=self.coord.node, nodes=self.cfg.run.nodes, addr=self.coord.addr,
+                    leader=self.coord.leader(), live=self.coord.live_nodes(), stored_generation=self.joined_at,
+                    prefix=self.coord.prefix)
+
+    def _check_identity(self, stored: dict, files: RunFiles) -> None:
+        """The run in etcd must be this one: the same run directory (its id) and trajectory. While
+        the run has live nodes a daemon of another is refused; with none, this daemon's run takes the
+        prefix (a new run directory: the old run's keys go)."""
+        mine = {"run_id": self.run_id, "trajectory": config_hash(self.cfg)}
+        kv = stored.get("identity")
+        theirs = _json(kv.value) if kv else None
+        if theirs == mine:
+            return
+        live = sorted(k for k in stored if k.startswith("nodes/"))
+        if theirs is not None and live:
+            raise PeersUnavailableError(
+                f"this daemon is not of the run under {self.coord.prefix}: its run.dir {files.run_dir} has run id "
+                f"{mine['run_id']} and config trajectory {mine['trajectory']}; the live run's are "
+                f"{theirs.get('run_id')} and {theirs.get('trajectory')} (every node must share one run directory "
+                "and config; another run needs its own run.coordinator_prefix)", ExitCode.CONFIG_ERROR)
+        ops = [op_put(self.coord.prefix + "identity", json.dumps(mine))]
+        if theirs is not None and theirs.get("run_id") != self.run_id:        # another run's leftovers
+            ops = [op_delete_prefix(self.coord.prefix), *ops]
+        won, _ = self.coord.client.txn([compare_modified(self.coord.prefix + "identity", kv.mod_revision if kv else 0)],
+                                       ops)
+        if not won:            # another daemon wrote it first: it must be of this run too
+            again = self.coord.client.get(self.coord.prefix + "identity")
+            if again is None or _json(again.value) != mine:
+                raise PeersUnavailableError(
+                    f"another daemon took {self.coord.prefix} for a different run (run id "
+                    f"{_json(again.value).get('run_id') if again else '?'}) while this one started with run id "
+                    f"{self.run_id}: every node must share one run directory", ExitCode.CONFIG_ERROR)
+        if kv is not None:
+            stored.clear()                    # the previous run's keys are not this one's to read
+
+    def _claim_rank(self, stored: dict) -> None:
+        """One daemon per node rank. This machine's previous daemon (dead: this one holds its lock)
+        is let go at once; another machine's is waited for up to a lease TTL, then refused."""
+        key = f"nodes/{self.coord.node}"
+        kv = stored.get(key)
+        if kv is None:
+            return
+        held = _json(kv.value) or {}
+        if held.get("addr") == self.coord.addr and held.get("host") == self.coord.record()["host"]:
+            self.coord.client.revoke(kv.lease)
+            return
+        deadline = self.clock() + self.coord.ttl_s + 1.0
+        while self.clock() < deadline:
+            if self.coord.client.get(self.coord.prefix + key) is None:
+                return
+            time.sleep(POLL_S)
+        raise PeersUnavailableError(
+            f"run.node_rank = {self.coord.node} is held by a live daemon at {held.get('addr')} "
+            f"(host {held.get('host')}, pid {held.get('pid')}): is a second machine configured with this node "
+            "rank?", ExitCode.CONFIG_ERROR)
 
     def close(self) -> None:
         self.coord.leave()
 
-    def _check_shared(self, files: RunFiles) -> None:
-        """The run directory must be one filesystem for all nodes: node 0 writes a token into it and
-        into etcd; the others must find the same token in the file."""
-        path = files.run_dir / MARKER
-        if self.is_leader:
-            self.marker = uuid.uuid4().hex
-            files.run_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text(self.marker)
-            self.coord.client.delete(self.coord.prefix + "run")        # a new daemon: the run goes on
-            self.coord.client.put(self.coord.prefix + "marker", self.marker)
-            return
-        deadline = self.clock() + max(10.0, self.cfg.run.node_rejoin_timeout_s)
-        while self.clock() < deadline:
-            stored = self.coord.client.get(self.coord.prefix + "marker")
-            try:
-                if stored is not None and path.read_text() == stored.value.decode():
-                    self.marker = stored.value.decode()
-                    return
-            except OSError:
-                pass
-            time.sleep(POLL_S)
-        raise PeersUnavailableError(
-            f"run.dir {files.run_dir} is not shared with node 0: its {MARKER} does not match what node 0 "
-            "published (every node must see the same run directory)", ExitCode.CONFIG_ERROR)
-
+    # Who is there ------------------------------------------------------------------------------
     def live(self) -> list[int]:
         return [n for n in self.coord.live_nodes() if 0 <= n < self.cfg.run.nodes]
 
+    def campaign(self, now: float) -> bool:
+        try:
+            return self.coord.campaign(now)
+        except EtcdError:
+            return False
+
     def gathered(self) -> tuple[int, ...] | None:
-        """Node 0: every node; or, once run.node_rejoin_timeout_s has passed since node 0 began to
+        """The decider: every node; or, once run.node_rejoin_timeout_s has passed since it began to
         wait with some missing, the live ones if they are at least run.min_nodes (else the run ends)."""
         live, run = self.live(), self.cfg.run
         if len(live) == run.nodes:
@@ -102,27 +160,31 @@ class Membership:
             f"= {run.node_rejoin_timeout_s:g} s, fewer than run.min_nodes = {run.quorum}", ExitCode.TEMP_FAIL)
 
     def missing(self) -> dict:
-        return {"live": self.coord.live_nodes(), "nodes": self.cfg.run.nodes}
+        live = self.live()
+        return {"live": live, "nodes": self.cfg.run.nodes,
+                "missing": sorted(set(range(self.cfg.run.nodes)) - set(live))}
 
+    # Waiting -----------------------------------------------------------------------------------
     def wait_for(self, ready, ledger: Ledger, stopping, note: str, fields: Callable[[], dict], *,
-                  need_leader: bool = False):
+                 follower: bool = False):
         """Polls `ready()` until it returns something truthy (returned), or a stop (None); says once
-        what it waits for, and again every minute. Raises PeersUnavailableError once etcd has been
-        unreachable past run.coordinator_timeout_s or (`need_leader`) node 0 gone past
-        run.node_rejoin_timeout_s."""
-        said, leader_seen = None, self.clock()
-        while not stopping() and self.ended_run() is None:
+        what it waits for, and again every minute. A `follower` waits on a decider: with none, it
+        campaigns, and returns BecameLeader once elected. Raises PeersUnavailableError once etcd has
+        been unreachable past run.coordinator_timeout_s."""
+        said = None
+        while not stopping():
             got = ready()
             if got:
                 return got
+            if self.ended_run() is not None:
+                return None
             now = self.clock()
             self.check_coordinator(now)
-            if not need_leader or 0 in self.live() or self.coord.unreachable_s(now) > 0.5 * self.coord.ttl_s:
-                leader_seen = now
-            elif now - leader_seen > self.cfg.run.node_rejoin_timeout_s:
-                raise PeersUnavailableError(
-                    f"node 0's daemon has been gone for more than run.node_rejoin_timeout_s = "
-                    f"{self.cfg.run.node_rejoin_timeout_s:g} s; node 0 decides for the run", ExitCode.TEMP_FAIL)
+            if follower and self._leaderless(ledger, now) and self.campaign(now):
+                self._leaderless_since = None
+                ledger.emit("elected", node=self.coord.node, addr=self.coord.addr,
+                            detail=f"node {self.coord.node} decides for the run now")
+                return BecameLeader()
             if said is None or now - said > 60:
                 ledger.emit(note, level="warning" if said else "info", **fields())
                 said = now
@@ -130,15 +192,32 @@ class Membership:
             time.sleep(POLL_S)
         return None
 
+    def _leaderless(self, ledger: Ledger, now: float) -> bool:
+        """No decider stands: said once (status and event) until one does."""
+        if self.coord.leader() is not None:
+            self._leaderless_since = None
+            return False
+        if self._leaderless_since is None:
+            self._leaderless_since = now
+            since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+            ledger.set_status(ledger.state.status, f"waiting for a decider since {since}")
+            ledger.emit("waiting_for_decider", level="warning", node=self.coord.node, live=self.live(),
+                        detail=f"no daemon decides for the run (its decider's lease expired) since {since}")
+        return True
+
     def retrying(self, write: Callable[[], bool | None], ledger: Ledger, stopping) -> bool | None:
         """A write to etcd, retried while etcd is away (decisions wait for it to return), until
         run.coordinator_timeout_s (PeersUnavailableError). The write's answer (False: a lost
-        compare-and-swap; a plain put: True); None when a stop came first."""
+        compare-and-swap, or this daemon no longer decides; a plain put: True); None when a stop
+        came first."""
         said = False
         while not stopping():
             try:
                 result = write()
                 return True if result is None else bool(result)
+            except NotLeaderError as e:
+                ledger.emit("deposed", level="warning", node=self.coord.node, detail=str(e))
+                return False
             except EtcdError as e:
                 if not said:
                     ledger.emit("coordinator_unreachable", level="warning", detail=str(e))
@@ -157,19 +236,31 @@ class Membership:
         """etcd silent past run.coordinator_timeout_s: the run checkpoints and stops (exit 75)."""
         return self.coord.unreachable_s(now) > self.cfg.run.coordinator_timeout_s
 
-    def finish(self, code: int, status: str) -> None:
-        """Node 0's daemon ends: the others, waiting for a generation, end the same way."""
+    # The run's end -------------------------------------------------------------------------------
+    def finish(self, code: int, status: str, reason: str) -> None:
+        """The decider's daemon ends the run: every other daemon ends the same way."""
         if self.is_leader:
             try:
-                self.coord.finish_run({"code": int(code), "status": status, "marker": self.marker})
+                self.coord.finish_run({"code": int(code), "status": status, "reason": reason, "run_id": self.run_id,
+                                       "node": self.coord.node})
             except EtcdError:
                 pass
 
     def ended_run(self) -> watch.Outcome | None:
-        """How node 0 ended the run this daemon belongs to, as this node's outcome; None: it goes on."""
-        end = None if self.is_leader else self.coord.run_end()
-        if not end or end.get("marker") != self.marker:
+        """How the decider ended the run since this daemon joined, as this node's outcome; None: it
+        goes on."""
+        kv = self.coord.run_end_kv()
+        end = _json(kv.value) if kv is not None and kv.mod_revision > self.joined_revision else None
+        if not isinstance(end, dict) or end.get("run_id") != self.run_id or end.get("node") == self.coord.node:
             return None
+        detail = f"node {end.get('node')}'s daemon ended the run: {end.get('status')}"
         if end.get("status") in ("finished", "stopped") and end.get("code") == 0:
             return watch.Finished(None) if end["status"] == "finished" else watch.Stopped(None)
-        return watch.WorkerFailed(int(end.get("code", 1)), None, f"node 0's daemon ended the run: {end.get('status')}")
+        return watch.Ended(int(end.get("code", 1)), end.get("status", "failed"), end.get("reason", "nodes"), detail)
+
+
+def _json(value: bytes):
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None

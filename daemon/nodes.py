@@ -3,8 +3,8 @@
 Composes the three parts of being one of several machines: membership (daemon.membership: joining,
 live nodes, the shared run directory, etcd's silence, the run's end), the generation handshake
 (daemon.generation_handshake: open a generation, hear that it ends elsewhere, say why it ended
-here) and the decision exchange (daemon.decision_exchange: node 0's recovery decisions, operator
-requests, the ranks' commands). The etcd keys themselves are daemon.etcd_keys'.
+here) and the decision exchange (daemon.decision_exchange: the decider's recovery decisions,
+operator requests, the ranks' commands). The etcd keys themselves are daemon.etcd_keys'.
 """
 from __future__ import annotations
 
@@ -30,7 +30,10 @@ class Nodes:
         self.membership = Membership(cfg, clock=clock)
         self.generations = GenerationHandshake(self.membership)
         self.decisions = DecisionExchange(self.membership)
-        self.is_leader = self.membership.is_leader
+
+    @property
+    def is_leader(self) -> bool:
+        return self.membership.is_leader
 
     # membership
     def start(self, ledger: Ledger, files: RunFiles) -> None:
@@ -42,18 +45,23 @@ class Nodes:
     def cut_off(self, now: float) -> bool:
         return self.membership.cut_off(now)
 
-    def finish(self, code: int, status: str) -> None:
-        self.membership.finish(code, status)
+    def finish(self, code: int, status: str, reason: str) -> None:
+        self.membership.finish(code, status, reason)
 
     def ended_run(self) -> watch.Outcome | None:
         return self.membership.ended_run()
 
     # the generation handshake
-    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
-        return self.generations.open(ledger, files, base, stopping)
+    def open(self, ledger: Ledger, files: RunFiles, base: Config,
+             stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
+        files.fence_generation = 0
+        opened = self.generations.open(ledger, files, base, stopping)
+        if isinstance(opened, Opened):
+            files.fence_generation = opened.number       # its commands are for its ranks only
+        return opened
 
-    def hear(self, number: int, now: float) -> watch.Outcome | None:
-        return self.generations.hear(number, now)
+    def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
+        return self.generations.hear(number, now, idle_s=idle_s)
 
     def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
         return self.generations.conclude(number, outcome, requested=requested)
@@ -74,4 +82,8 @@ class Nodes:
         return self.decisions.forward(request)
 
     def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
-        self.decisions.send(name, args, ledger, append)
+        g = self.generations
+        self.decisions.send(name, args, ledger, append, leads=bool(g.led) and g.led == ledger.state.generation)
+
+    def confirm(self) -> bool:
+        return self.decisions.confirm()

@@ -4,7 +4,7 @@ the supervisor is typed against; both kinds implement it (a unit test compares t
 
 The calls: open a generation (what it runs with, this node's ranks), hear during a generation that
 it ends elsewhere, say why it ended here, and, between generations, the recovery decision; plus
-operator requests that reach node 0 and the end of the run. `Opened` and `PeersUnavailableError`
+operator requests that reach the decider and the end of the run. `Opened` and `PeersUnavailableError`
 are what both kinds return and raise.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ class Opened:
     cfg: Config                   # what this generation's ranks run with (the shape of its nodes)
     ranks: tuple[int, ...]        # this node's ranks in it
     members: tuple[int, ...] = ()
+    scheduler: bool = True        # MindSpore's scheduler runs here (the decider's machine)
 
 
 class PeersUnavailableError(RuntimeError):
@@ -42,7 +43,9 @@ class PeersUnavailableError(RuntimeError):
 class Peers(Protocol):
     """What the supervisor's loop asks of the other machines of its run (none, or several)."""
 
-    is_leader: bool                 # this daemon decides for the run
+    @property
+    def is_leader(self) -> bool:
+        """This daemon decides for the run (multi-node: elected, and its leader key stands)."""
 
     def start(self, ledger: Ledger, files: RunFiles) -> None:
         """Join the run (multi-node: register, check the run's identity); raises PeersUnavailableError."""
@@ -50,14 +53,17 @@ class Peers(Protocol):
     def close(self) -> None:
         """Leave (release leases, stop watches)."""
 
-    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
-        """The next generation as this node runs it; None when stopping while waiting for it."""
+    def open(self, ledger: Ledger, files: RunFiles, base: Config,
+             stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
+        """The next generation as this node runs it; None when stopping while waiting for it; an
+        incident to decide first (multi-node: the last generation's, left undecided by a lost decider)."""
 
     def cut_off(self, now: float) -> bool:
         """This node has lost the run (multi-node: its lease, or the coordinator, for too long)."""
 
-    def hear(self, number: int, now: float) -> watch.Outcome | None:
-        """Generation `number` ended elsewhere: how."""
+    def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
+        """Generation `number` ended elsewhere, or this node is cut off from it: how. `idle_s`: how long
+        this node's ranks have made no step."""
 
     def requests(self) -> list[Request]:
         """Operator requests made on other nodes that this one acts on."""
@@ -67,6 +73,10 @@ class Peers(Protocol):
 
     def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
         """A command to every rank of the run."""
+
+    def confirm(self) -> bool:
+        """This daemon still decides, checked now (multi-node: its fencing token against etcd): before
+        a write outside etcd that only the decider makes (retiring checkpoints)."""
 
     def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
         """Say how generation `number` ended here; the outcome the run acts on."""
@@ -78,8 +88,8 @@ class Peers(Protocol):
                 stopping: Callable[[], bool]) -> decisions.Decision | None:
         """The recovery decision for an incident: made here by the leader, awaited by the others."""
 
-    def finish(self, code: int, status: str) -> None:
-        """The run ended here with this exit code and status."""
+    def finish(self, code: int, status: str, reason: str) -> None:
+        """The run ended here with this exit code, status and reason (the others end the same way)."""
 
     def ended_run(self) -> watch.Outcome | None:
         """The run ended elsewhere: how (None while it goes on)."""
@@ -96,7 +106,8 @@ class Alone:
     def close(self) -> None:
         pass
 
-    def open(self, ledger: Ledger, files: RunFiles, base: Config, stopping: Callable[[], bool]) -> Opened | None:
+    def open(self, ledger: Ledger, files: RunFiles, base: Config,
+             stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
         n = ledger.next_generation()
         cfg = with_changes(base, ledger.state.config_changes)
         resume = files.prepare_generation(cfg, ledger.state.recovery)
@@ -106,7 +117,7 @@ class Alone:
     def cut_off(self, now: float) -> bool:
         return False
 
-    def hear(self, number: int, now: float) -> watch.Outcome | None:
+    def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
         return None
 
     def requests(self) -> list[Request]:
@@ -117,6 +128,9 @@ class Alone:
 
     def send(self, name: str, args: dict, ledger: Ledger, append: Callable[[str, dict], int]) -> None:
         ledger.command_sent(name, args, append)
+
+    def confirm(self) -> bool:
+        return True
 
     def conclude(self, number: int, outcome: watch.Outcome, *, requested: bool = False) -> watch.Outcome:
         return outcome
@@ -130,7 +144,7 @@ class Alone:
                 stopping: Callable[[], bool]) -> decisions.Decision | None:
         return decisions.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg)
 
-    def finish(self, code: int, status: str) -> None:
+    def finish(self, code: int, status: str, reason: str) -> None:
         pass
 
     def ended_run(self) -> watch.Outcome | None:

@@ -51,6 +51,7 @@ class RunFiles:
         local = cfg.parallel.world_size // cfg.run.nodes
         self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
         self._seq = 0
+        self.fence_generation = 0       # several machines: commands are stamped with their generation
 
     def memory_root(self) -> Path | None:
         """The run's RAM tier of checkpoints (checkpoint.memory_interval_steps); None while the run
@@ -111,7 +112,7 @@ class RunFiles:
         """One command line for the ranks, durable before they can read it; returns its seq."""
         self._seq += 1
         with open(self.commands, "a") as f:
-            f.write(Command(seq=self._seq, name=name, args=args).to_json() + "\n")
+            f.write(Command(seq=self._seq, name=name, args=args, generation=self.fence_generation).to_json() + "\n")
             f.flush()
             os.fsync(f.fileno())
         return self._seq

@@ -75,7 +75,7 @@ class Supervisor:
                 signal.signal(sig, self._on_signal)
             signal.signal(signal.SIGHUP, lambda *_: setattr(self.ledger, "reopen_requested", True))
             code = self._start() or self._loop()      # _start returns an exit code only to end at once
-            self.peers.finish(code, self.state.status)
+            self.peers.finish(code, self.state.status, self.ledger.exit_reason)
             self.ledger.notify.stopping(f"exiting with {int(code)} ({self.state.status})")
             return code
         finally:
@@ -127,12 +127,8 @@ class Supervisor:
             try:
                 outcome = watch.Failed(undecided) if undecided else self._generation()
                 undecided = None
-                if isinstance(outcome, (watch.Finished, watch.Stopped)):
-                    kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
-                    code = self.stop_code if kind == "stopped" else ExitCode.OK
-                    return self.ledger.exit(code, kind, kind, step=outcome.step, **({"detail": self.stop_reason} if self.stop_reason else {}))
-                if isinstance(outcome, watch.WorkerFailed):
-                    return self.ledger.exit(outcome.code, "failed", "worker_error", "error", detail=outcome.detail)
+                if isinstance(outcome, (watch.Finished, watch.Stopped, watch.WorkerFailed, watch.Ended)):
+                    return decisions.end_as(outcome, self.ledger, stop_code=self.stop_code, stop_reason=self.stop_reason)
                 if isinstance(outcome, watch.Regroup):        # multi-node: a lost node is back
                     continue
                 code = self._wait_for_resume() if isinstance(outcome, watch.Released) else self._recover(outcome.incident)
@@ -150,6 +146,8 @@ class Supervisor:
                 f"cannot write the generation's files under {self.files.run_dir}: {e.strerror or e}")))
         if opened is None:
             return self.peers.ended_run() or watch.Stopped(self.files.committed_step())
+        if isinstance(opened, watch.Failed):           # multi-node: a lost decider's undecided incident
+            return opened
         n, port, resume, ranks = opened.number, opened.port, opened.resume_step, list(opened.ranks)
         self.cfg = cfg = opened.cfg
         self.monitor.rewind(resume)
@@ -159,7 +157,7 @@ class Supervisor:
         try:
             with gen:
                 port = gen.launch(self.files, self.env, worker_cmd=self.worker_cmd, port=port, ranks=ranks,
-                                  scheduler_cmd=self.scheduler_cmd if self.peers.is_leader else None,
+                                  scheduler_cmd=self.scheduler_cmd if opened.scheduler else None,
                                   standby=self.spare.claim(cfg, n, ranks, gen.sock_path, ledger))
                 self.state.set_processes([w.record() for w in gen.workers])
                 ledger.set_status("running")
@@ -169,6 +167,8 @@ class Supervisor:
                 w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(),
                                 log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
                 outcome = self._watch(gen, w, n)
+                if isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off"):   # multi-node
+                    ledger.emit("cut_off", level="warning", detail=outcome.incident.detail)
                 outcome = self.peers.conclude(n, outcome, requested=w.stop_sent_at is not None or bool(self.stop_reason))
                 ledger.hold_undecided(getattr(outcome, "incident", None))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s, saving=w.saving)
@@ -188,9 +188,9 @@ class Supervisor:
             self._apply(w.drain(), gen)
             self.ledger.tick(now)
             for request in [*self.control.intake(self.ledger), *self.peers.requests()]:
-                if not self.peers.forward(request):        # node 0 writes the ranks' commands for all
+                if not self.peers.forward(request):        # the decider writes the ranks' commands for all
                     w.on_control(request, now)
-            if (elsewhere := self.peers.hear(n, now)) is not None:
+            if (elsewhere := self.peers.hear(n, now, idle_s=now - w.last_step_at)) is not None:
                 return elsewhere
             if self.peers.cut_off(now) and not self.stop_reason:
                 self.stop_reason, self.stop_code = "etcd unreachable past run.coordinator_timeout_s", ExitCode.TEMP_FAIL
@@ -214,7 +214,9 @@ class Supervisor:
         """An incident ended the generation: decide, record, carry out. An exit code ends the daemon."""
         decision = self.peers.recover(incident, ledger=self.ledger, files=self.files, cfg=self.cfg,
                                       base_cfg=self.base_cfg, stopping=lambda: self._sleep(0) == "stop")
-        if decision is None:
+        if decision is None:          # a stop here, or (multi-node) the run ended by its decider
+            if (ended := self.peers.ended_run()) is not None and not isinstance(ended, watch.Stopped):
+                return decisions.end_as(ended, self.ledger, stop_code=self.stop_code, stop_reason=None)
             return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested awaiting the decision")
         if isinstance(decision.action, Halt):
             return decisions.give_up(decision, self.ledger, self.files)

@@ -154,17 +154,30 @@ class Failed:
     incident: Incident            # crash, hang, out of memory, or a numerical incident
 
 
-Outcome = Finished | Stopped | Released | Regroup | WorkerFailed | Failed
+@dataclasses.dataclass(frozen=True)
+class Ended:
+    """Multi-node: the decider ended the run (gave up, too few nodes, a rank's fatal error): this
+    daemon ends with the same code, status and reason."""
+    code: int
+    status: str
+    reason: str
+    detail: str
+
+
+Outcome = Finished | Stopped | Released | Regroup | WorkerFailed | Failed | Ended
 
 
 def teardown_grace_s(outcome: Outcome, kill_grace_s: float, *, saving: bool = True,
                      failed_grace_s: float = 2.0) -> float:
-    """SIGTERM → SIGKILL grace: numerical incidents throw the ranks' state away (kill at once); after
-    a crash or hang the survivors sit in a collective and never run their handler, so the only thing
-    worth waiting for is a checkpoint they are still writing (`saving`): a short grace then, none
-    otherwise (every second of it is a second of recovery)."""
+    """SIGTERM → SIGKILL grace: numerical incidents throw the ranks' state away, and a node cut off
+    from its run must commit nothing (kill at once); after a crash or hang the survivors sit in a
+    collective and never run their handler, so the only thing worth waiting for is a checkpoint they
+    are still writing (`saving`): a short grace then, none otherwise (every second of it is a second
+    of recovery)."""
     if not isinstance(outcome, Failed):
         return kill_grace_s
+    if outcome.incident.evidence.get("cut_off"):       # multi-node: the run may have moved on without them
+        return 0.0
     if not outcome.incident.kind.is_process_fault or not saving:
         return 0.0
     return min(kill_grace_s, failed_grace_s)
@@ -193,6 +206,7 @@ class Watch:
         self.pause = Pause.RUNNING
         self.paused_at = 0.0
         self.last_step = 0
+        self.last_step_at = now               # when the watched rank last completed a step (or the start)
         self._committed_step = 0
         self._unsettled: set[int] = set()            # checkpoint steps staged, neither committed nor failed
         self.stop_reason: str | None = None
@@ -269,7 +283,7 @@ class Watch:
                                             "release_after_s": self.cfg.run.pause_release_after_s}))
 
     def _observe(self, ev: StepEvent, now: float, compiled: bool = False) -> None:
-        self.last_step = ev.step
+        self.last_step, self.last_step_at = ev.step, now
         notify = now - self._status_at >= STATUS_EVERY_S
         log = now - self._logged_at >= PROGRESS_LOG_EVERY_S or ev.step == self.cfg.train.steps
         self._status_at = now if notify else self._status_at

@@ -20,8 +20,9 @@ WINDOW = 8   # commands agreed per step at most; more arrive over the following 
 
 
 class CommandReader:
-    def __init__(self, path: str | None):
+    def __init__(self, path: str | None, *, generation: int = 0):
         self.path = path
+        self.generation = generation       # commands stamped for another generation are not this rank's
         self._offset = 0
         self._partial = b""
         self.commands: dict[int, Command] = {}
@@ -54,6 +55,8 @@ class CommandReader:
                 except (ValueError, UnicodeDecodeError) as e:
                     print(f"llm-pretrain: ignoring a malformed command line: {e}", file=sys.stderr)
                     continue
+                if cmd.generation and cmd.generation != self.generation:
+                    continue          # a deposed decider's, written after the run moved on without it
                 self.commands[cmd.seq] = cmd
         return self.newest
 

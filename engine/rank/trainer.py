@@ -198,7 +198,7 @@ class RankRun:
         self.cfg, self.env, self.clock, self.source, self.stop, self.sink = cfg, env, clock, source, stop, sink
         self.rank_info = rank_info
         self.generation = int(env.get(ENV_GENERATION, "0"))
-        self.commands = CommandReader(env.get(ENV_COMMANDS))
+        self.commands = CommandReader(env.get(ENV_COMMANDS), generation=self.generation)
         self.drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env)
         self.applied = 0                  # the highest command sequence number applied
         self.cap_until = 0                # the step at which the recovery's loss-scale cap is lifted (0: none)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from daemon.etcd_client import Etcd
 from tests.etcd_server import EtcdServer
 from tests.integration.test_recovery_policy import QUICK_HEALTH
 
@@ -128,15 +129,23 @@ def test_node_1_s_daemon_killed_and_restarted_rejoins_and_the_run_finishes(tmp_p
     assert _named(ev0, "daemon_exit")[0]["reason"] == _named(ev1, "daemon_exit")[0]["reason"] == "finished"
 
 
-def test_a_run_directory_not_shared_with_node_0_is_refused(tmp_path, etcd):
-    node0 = _node(0, tmp_path / "run", etcd.url, "run.node_rejoin_timeout_s=1", fake=["--steps", "100000"])
+def test_a_daemon_of_another_run_directory_is_refused_before_it_writes_a_key(tmp_path, etcd):
+    run = tmp_path / "run"
+    node0 = _node(0, run, etcd.url, fake=["--steps", "100000"])
     try:
-        code, events, _ = _finish(_node(1, tmp_path / "elsewhere", etcd.url, "run.node_rejoin_timeout_s=1"), 60)
+        _wait(lambda: _node_events(run, 0, "node_joined"), 30, "node 0 to join")
+        client = Etcd.from_url(etcd.url)
+        before = {kv.key: kv.mod_revision for kv in client.get_prefix("/llm-pretrain/tiny/")[0]}
+        code, events, _ = _finish(_node(1, tmp_path / "elsewhere", etcd.url), 60)
+        after = {kv.key: kv.mod_revision for kv in client.get_prefix("/llm-pretrain/tiny/")[0]}
     finally:
         node0.send_signal(signal.SIGTERM)
         _finish(node0, 60)
     assert code == 78
-    assert "is not shared with node 0" in _named(events, "daemon_exit")[0]["detail"]
+    detail = _named(events, "daemon_exit")[0]["detail"]
+    ids = [(d / ".run-id").read_text().strip() for d in (tmp_path / "elsewhere", run)]
+    assert "is not of the run under /llm-pretrain/tiny/" in detail and all(i in detail for i in ids), detail
+    assert after == before                  # not a key written: node 0's run is untouched
 
 
 def test_an_unreachable_coordinator_at_the_start_is_exit_75_in_one_line(tmp_path):
@@ -265,7 +274,72 @@ def test_ranks_stopped_by_a_sigterm_from_outside_do_not_stop_the_run(tmp_path, e
         assert _named(events, "daemon_exit")[0]["reason"] == "finished"
 
 
-def test_node_0_gone_past_the_rejoin_timeout_ends_the_others_with_exit_75(tmp_path, etcd):
+def test_node_0_lost_for_good_another_decides_the_run_shrinks_and_node_0_returns_as_a_follower(tmp_path, etcd):
+    gate = tmp_path / "gate"
+    run, fake = tmp_path / "run", ["--steps", "150", "--interval", "5", "--step-s", "0.05", "--gate-at", "100",
+                                   "--gate", str(gate)]
+    elastic = ["run.min_nodes=2", "run.node_rejoin_timeout_s=2"]
+    procs = [_three(i, run, etcd.url, *elastic, fake=fake) for i in (0, 1, 2)]
+    logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1, 2)]
+    try:
+        _wait(lambda: logs[0].exists() and logs[0].read_text().count('"kind": "step"') >= 10, 30, "steps on node 0")
+        assert _node_events(run, 0, "waiting_for_nodes"), "node 0 was not the first decider"
+        procs[0].send_signal(signal.SIGKILL)          # the decider's daemon is gone; its rank ends by itself
+        procs[0].wait()
+        _wait(lambda: _node_events(run, 1, "nodes_shrunk"), 60, "a generation of nodes 1 and 2")
+        procs[0] = _three(0, run, etcd.url, *elastic, fake=fake)        # back, as a follower
+        _wait(lambda: _node_events(run, 1, "nodes_rejoined"), 120, "node 0 taken back")
+        gate.touch()
+        results = [_finish(p, 120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r[0] for r in results] == [0, 0, 0], [r[2][-1500:] for r in results]
+    ev = {i: results[i][1] for i in (0, 1, 2)}
+    assert [e["node"] for e in _named(ev[1], "elected")] == [1] and not _named(ev[2], "elected")
+    assert not _named(ev[0], "elected") and not _named(ev[0], "waiting_for_nodes")   # returned as a follower
+    assert _named(ev[1], "incident")[0]["kind"] == "node_lost"
+    shrunk = _named(ev[1], "nodes_shrunk")
+    assert [(e["members"], e["lost"], e["dp"], e["micro_batch"], e["grad_accum_steps"]) for e in shrunk] == [
+        ([1, 2], [0], 2, 3, 2)]                      # the same global batch of 12 on two nodes
+    starts = {i: [e["generation"] for e in _named(ev[i], "generation_start")] for i in (0, 1, 2)}
+    assert starts[1] == starts[2] and starts[0] == starts[1][-len(starts[0]):], starts
+    assert _named(ev[0], "generation_start")[-1]["ranks"] == [0]         # node 0 first again in the full run
+    for i in (0, 1, 2):
+        assert _named(ev[i], "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_a_decider_frozen_past_its_lease_is_deposed_stops_its_ranks_at_once_and_follows(tmp_path, etcd):
+    run, fake = tmp_path / "run", ["--steps", "400", "--interval", "5", "--step-s", "0.05"]
+    procs = [_node(i, run, etcd.url, "run.node_rejoin_timeout_s=20", fake=fake) for i in (0, 1)]
+    try:
+        _wait(lambda: _node_events(run, 1, "first_step"), 30, "steps on node 1")
+        assert _node_events(run, 0, "waiting_for_nodes"), "node 0 was not the first decider"
+        procs[0].send_signal(signal.SIGSTOP)         # the decider frozen (its ranks go on): its lease lapses
+        _wait(lambda: _node_events(run, 1, "elected"), 30, "node 1 elected")
+        procs[0].send_signal(signal.SIGCONT)
+        results = [_finish(p, 120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+    assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
+    ev0, ev1 = results[0][1], results[1][1]
+    cut = _named(ev0, "cut_off")
+    assert cut and "no longer decides for the run" in cut[0]["detail"], _named(ev0, "incident")
+    deposed_gen = cut[0]["generation"]
+    # after it learned it no longer decides, node 0 wrote no command and published nothing
+    assert not [e for e in _named(ev0, "command_sent") if e["generation"] > deposed_gen]
+    assert not _named(ev0, "elected")
+    later = [e for e in _named(ev1, "generation_start") if e["generation"] > deposed_gen]
+    assert later and [e["generation"] for e in _named(ev0, "generation_start")][-1] == later[-1]["generation"]
+    for ev in (ev0, ev1):
+        assert _named(ev, "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_with_two_nodes_the_survivor_of_node_0_decides_and_ends_with_75_below_min_nodes(tmp_path, etcd):
     run, fake = tmp_path / "run", ["--steps", "100000", "--interval", "5", "--step-s", "0.05"]
     node0 = _node(0, run, etcd.url, "run.node_rejoin_timeout_s=3", fake=fake)
     node1 = _node(1, run, etcd.url, "run.node_rejoin_timeout_s=3", fake=fake)
@@ -280,6 +354,34 @@ def test_node_0_gone_past_the_rejoin_timeout_ends_the_others_with_exit_75(tmp_pa
             if p.poll() is None:
                 p.kill()
     assert code == 75, err[-2000:]
-    assert _named(events, "waiting_for_decision")         # node 0 decides: node 1 waited for it, then gave up
+    assert _named(events, "waiting_for_decider") and _named(events, "elected")
     final = _named(events, "daemon_exit")[0]
-    assert final["reason"] == "nodes" and "node 0's daemon has been gone" in final["detail"]
+    assert final["reason"] == "nodes" and "fewer than run.min_nodes = 2" in final["detail"]
+
+
+def test_a_crash_loop_decided_by_the_decider_ends_every_node_with_3(tmp_path, etcd):
+    results = _both(tmp_path / "run", etcd, "health.max_restarts_without_progress=2",
+                    fake=["--steps", "100000", "--die-at-start"])
+    for code, events, err in results:
+        assert code == 3, err[-2000:]
+        final = _named(events, "daemon_exit")[0]
+        assert (final["code"], final["reason"]) == (3, "crash_loop"), final
+
+
+def test_a_second_daemon_with_a_live_node_s_rank_is_refused_and_the_run_goes_on(tmp_path, etcd):
+    run, fake = tmp_path / "run", ["--steps", "100000", "--interval", "5", "--step-s", "0.05"]
+    procs = [_node(i, run, etcd.url, fake=fake) for i in (0, 1)]
+    try:
+        _wait(lambda: _node_events(run, 1, "first_step"), 30, "steps on node 1")
+        # the same run directory and config on a spare machine (another address), as node 0
+        code, events, _ = _finish(_node(0, run, etcd.url, 'run.node_addr="127.0.0.9"',
+                                        'run.log_dir="' + str(tmp_path / "spare-logs") + '"'), 60)
+        running = [p.poll() for p in procs]
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        results = [_finish(p, 60) for p in procs]
+    assert code in (5, 78), events      # the shared run directory's lock (5), or the rank's live claim (78)
+    assert running == [None, None]
+    for _, ev, _ in results:
+        assert [e["generation"] for e in _named(ev, "generation_start")] == [1]
