@@ -326,14 +326,16 @@ class NoDaemonError(RuntimeError):
 
 def _control_dir(run: str, *, queue: bool = False):
     """The run's control directory; on a multi-node run, that of the node whose daemon runs on this
-    machine (its lock held here), else node 0's: a request on any node acts on all."""
+    machine (its lock held here), else that of the first node whose daemon runs anywhere, else node 0's:
+    a request on any node reaches the decider and acts on all."""
     from cli.status import node_dirs
     from daemon.lock import holder
 
     run_dir = resolve_run_dir(run)
     nodes = node_dirs(run_dir)
     here = [d for d in nodes if _local_pid(holder(d))]
-    control_dir = (here or nodes or [run_dir])[0] / "control"
+    running = [d for d in nodes if holder(d) is not None]
+    control_dir = (here or running or nodes or [run_dir])[0] / "control"
     if not control_dir.is_dir():
         raise RunNotFoundError(f"{control_dir} does not exist: has a daemon run here?")
     if not queue and holder(control_dir.parent) is None:

@@ -71,43 +71,52 @@ def node_dirs(run_dir: Path) -> list[Path]:
 
 
 def summary(run_dir: Path, now: float | None = None) -> dict[str, Any]:
-    """The run as its state says; for a multi-node run, node 0's view (it decides) and every node's."""
+    """The run as its state says; for a multi-node run, the decider's view (else the first live
+    node's, else node 0's) and every node's."""
     dirs = node_dirs(run_dir)
     if not dirs:
         return _summary(run_dir, run_dir, now)
-    live = _live_nodes(run_dir)
-    out = _summary(dirs[0], run_dir, now, alive=None if live is None else 0 in live)
+    live, decider = _live_nodes(run_dir)
+    by_node = {int(d.name[5:]): d for d in dirs}
+    view = decider if decider in by_node else next((n for n in sorted(by_node) if live and n in live), min(by_node))
+    out = _summary(by_node[view], run_dir, now, alive=None if live is None else view in live)
+    out["decider"] = decider
     out["nodes"] = []
-    for d in dirs:
-        n, st = int(d.name[5:]), RunState.load(d)
+    for n, d in sorted(by_node.items()):
+        st = RunState.load(d)
         daemon = None if live is None else live.get(n)
         out["nodes"].append({"node": n, "status": st.status, "generation": st.generation,
-                             "step": (st.last_progress or {}).get("step"),
+                             "step": (st.last_progress or {}).get("step"), "waiting": st.waiting or None,
                              "daemon": daemon, "lease": None if live is None else daemon is not None})
     out["coordinator"] = "unreachable" if live is None else "ok"
     return out
 
 
-def _live_nodes(run_dir: Path) -> dict[int, str] | None:
-    """node → "host pid N" of every node whose daemon holds its etcd lease (from the run's resolved
-    config: its coordinator and key prefix); None when that cannot be read or etcd does not answer."""
+def _live_nodes(run_dir: Path) -> tuple[dict[int, str] | None, int | None]:
+    """node → "host pid N" of every node whose daemon holds its etcd lease, and the node that decides
+    (from the run's resolved config: its coordinator and key prefix); (None, None) when that cannot
+    be read or etcd does not answer."""
     from contracts.config import load_config
     from contracts.errors import ConfigError
     from daemon.etcd_client import Etcd, EtcdError
 
     try:
         cfg = load_config(run_dir / "config.resolved.toml", [])
-        kvs, _ = Etcd.from_url(cfg.run.coordinator, timeout_s=1.0).get_prefix(cfg.run.key_prefix + "nodes/")
+        kvs, _ = Etcd.for_run(cfg.run, timeout_s=1.0).get_prefix(cfg.run.key_prefix)
     except (ConfigError, EtcdError, OSError, ValueError):
-        return None
-    out = {}
+        return None, None
+    out, decider = {}, None
     for kv in kvs:
+        name = kv.key.decode()[len(cfg.run.key_prefix):]
         try:
             v = json.loads(kv.value)
-            out[int(v["node"])] = f"{v.get('host', '?')} pid {v.get('pid', '?')}"
+            if name == "leader":
+                decider = int(v["node"])
+            elif name.startswith("nodes/"):
+                out[int(v["node"])] = f"{v.get('host', '?')} pid {v.get('pid', '?')}"
         except (ValueError, KeyError, TypeError):
             continue
-    return out
+    return out, decider
 
 
 def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bool | None = None) -> dict[str, Any]:
@@ -116,6 +125,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
     alive = _daemon_alive(state) if alive is None else alive
     status = state.status if alive or state.status not in ("running", "restarting", "paused", "pausing") else \
         f"{state.status} (daemon not running)"
+    status += f"; {state.waiting}" if alive and state.waiting else ""
     p = state.last_progress or {}
     eta_s = _eta_s(state, alive)
     steps = layout.committed_steps(run_dir / "checkpoints")
@@ -188,8 +198,10 @@ def render(s: dict[str, Any]) -> str:
                                 f"{', '.join(map(str, s['unsupervised_pids']))} (start the daemon: it reaps them)"))
     for n in s.get("nodes") or []:
         lease = {None: "", True: f", daemon {n['daemon']}", False: ", daemon LOST (no etcd lease)"}[n["lease"]]
+        decides = ", decides" if n["node"] == s.get("decider") else ""
+        waiting = f"; {n['waiting']}" if n.get("waiting") and n["lease"] is not False else ""
         rows.append((f"node {n['node']}", f"{n['status']}, generation {n['generation']}, step "
-                                          f"{'-' if n['step'] is None else n['step']}{lease}"))
+                                          f"{'-' if n['step'] is None else n['step']}{lease}{decides}{waiting}"))
     if s.get("coordinator") == "unreachable":
         rows.append(("coordinator", "etcd unreachable (node liveness unknown)"))
     width = max(len(k) for k, _ in rows)

@@ -315,6 +315,35 @@ def coordinator_endpoints(url: str) -> list[tuple[str, int]]:
     return out
 
 
+EMBEDDED = "embedded"
+EMBEDDED_CLIENT_PORT, EMBEDDED_PEER_PORT = 2379, 2380     # etcd's own defaults
+
+
+def embedded_members(spec: str) -> list[tuple[str, int, int]]:
+    """run.coordinator_members, `HOST[:CLIENT_PORT:PEER_PORT],…` → [(host, client port, peer port), …]
+    (member i runs on node i); ValueError naming what is wrong."""
+    out = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        if part.count(":") not in (0, 2):
+            raise ValueError(f"{part!r} must be HOST or HOST:CLIENT_PORT:PEER_PORT")
+        host, *ports = part.split(":")
+        try:
+            client, peer = (int(p) for p in ports) if ports else (EMBEDDED_CLIENT_PORT, EMBEDDED_PEER_PORT)
+        except ValueError:
+            raise ValueError(f"{part!r} must be HOST or HOST:CLIENT_PORT:PEER_PORT") from None
+        if not host or any(c.isspace() for c in host) or not (0 < client < 65536 and 0 < peer < 65536):
+            raise ValueError(f"{part!r} must be HOST or HOST:CLIENT_PORT:PEER_PORT")
+        out.append((host, client, peer))
+    return out
+
+
+def run_endpoints(run: "RunConfig") -> list[tuple[str, int]]:
+    """Where the run's etcd answers: run.coordinator's endpoints, or the embedded members' clients."""
+    if run.coordinator == EMBEDDED:
+        return [(host, client) for host, client, _ in embedded_members(run.coordinator_members)]
+    return coordinator_endpoints(run.coordinator)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Naming and where the run's files live."""
@@ -327,7 +356,8 @@ class RunConfig:
     master_addr: str = "127.0.0.1"  # one machine: where MindSpore's scheduler listens (several: the decider's node_addr)
     node_addr: str = ""            # several machines: this one's address the others reach; "" = the one that reaches etcd
     master_port: int = 0           # the scheduler's port; 0 = a free port, fresh each generation (single node)
-    coordinator: str = ""          # etcd://HOST:PORT[,HOST:PORT…]: the nodes' daemons agree through it (run.nodes > 1)
+    coordinator: str = ""          # etcd://HOST:PORT[,HOST:PORT…], or "embedded": the nodes' daemons agree through etcd
+    coordinator_members: str = ""  # "embedded": the first 3 (or 5) machines' addresses, node-rank order (each runs a member)
     coordinator_prefix: str = ""   # this run's etcd keys live under it; "" = /llm-pretrain/<name>/
     coordinator_timeout_s: float = 60.0   # etcd unreachable this long: checkpoint and stop (exit 75)
     node_lease_ttl_s: int = 5      # a node whose daemon is silent this long is lost
@@ -353,7 +383,9 @@ class RunConfig:
         _in_range("run.node_lease_ttl_s", self.node_lease_ttl_s, 2, 3600)
         _in_range("run.node_rejoin_timeout_s", self.node_rejoin_timeout_s, 0.0, 1e6)
         _in_range("run.min_nodes", self.min_nodes, 0, self.nodes)
-        if self.coordinator:
+        if self.coordinator == EMBEDDED:
+            self._check_embedded()
+        elif self.coordinator:
             try:
                 coordinator_endpoints(self.coordinator)
             except ValueError as e:
@@ -380,6 +412,19 @@ class RunConfig:
         if not self.name or not set(self.name) <= allowed or self.name.startswith("."):
             _fail(f"run.name = {self.name!r} is not allowed; use letters, digits, '-', '_' and '.' "
                   "(not starting with '.')")
+
+    def _check_embedded(self) -> None:
+        if self.nodes < 3:
+            _fail(f"run.coordinator = \"embedded\" needs run.nodes >= 3, not {self.nodes}: with two machines no "
+                  "embedded etcd quorum survives the loss of one; use an external etcd (etcd://HOST:PORT,…)")
+        try:
+            members = embedded_members(self.coordinator_members)
+        except ValueError as e:
+            _fail(f"run.coordinator_members: {e}")
+        if len(members) not in (3, 5) or len(members) > self.nodes:
+            _fail(f"run.coordinator_members = {self.coordinator_members!r}: run.coordinator = \"embedded\" needs the "
+                  f"addresses of the first 3 (or 5) of the run.nodes = {self.nodes} machines, in node-rank order "
+                  "(node i runs etcd member i), as HOST or HOST:CLIENT_PORT:PEER_PORT, comma-separated")
 
     @property
     def key_prefix(self) -> str:

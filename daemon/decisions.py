@@ -57,8 +57,8 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
 
 def _record_decision(ledger: Ledger, record: IncidentRecord, *,
                      in_force: tuple[dict, RecoveryDirective | None] | None = None) -> None:
-    """A decided incident into state.json, the same on node 0 and on the others (RunState.apply_incident:
-    its config changes, recovery directive and pending rollback; `in_force`: node 0's, taken as they are)."""
+    """A decided incident into state.json, the same on the decider and on the others (RunState.apply_incident:
+    its config changes, recovery directive and pending rollback; `in_force`: the decider's, taken as they are)."""
     ledger.state.set_status("gave_up" if isinstance(record.action, Halt) else "restarting")
     ledger.record(record, "incident", "error", in_force=in_force)
 
@@ -153,13 +153,13 @@ class _Attempt:
 
 
 def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config) -> Decision:
-    """A node other than 0: node 0's decision, recorded and applied as it was made. This node's own
+    """A node that does not decide: the decider's decision, recorded and applied as it was made. This node's own
     policy, given the same incident, must agree; if it does not, that is non-determinism between
-    the daemons (a bug), said loudly, and node 0's decision still stands."""
+    the daemons (a bug), said loudly, and the decider's decision still stands."""
     state = ledger.state
     record = IncidentRecord.from_dict(published["record"])
     steps = files.committed_steps()
-    if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as node 0's
+    if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as the decider's
         state.count_restart_progress(steps[-1] if steps else 0)
     if record.committed_step is not None:
         state.set_last_committed(record.committed_step)
@@ -175,7 +175,7 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     if seen_all and own.to_dict() != (record.action.to_dict() if record.action else None):
         ledger.emit("decision_mismatch", level="critical", generation=record.generation,
                     applied=record.action.to_dict() if record.action else None, own=own.to_dict(),
-                    detail="this node's policy decided otherwise than node 0's: the daemons are not deterministic "
-                           "(a bug); node 0's decision is applied")
+                    detail="this node's policy decided otherwise than the decider's: the daemons are not deterministic "
+                           "(a bug); the decider's decision is applied")
     new_cfg = cfg if isinstance(record.action, Halt) else with_changes(base_cfg, state.config_changes)
     return Decision(action=record.action, record=record, cfg=new_cfg, resume_step=int(published["resume_step"]))

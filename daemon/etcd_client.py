@@ -82,6 +82,13 @@ class Etcd:
         self._lock = threading.Lock()
 
     @classmethod
+    def for_run(cls, run, **kw) -> "Etcd":
+        """The run's etcd (a contracts.config.RunConfig): run.coordinator's, or its embedded members'."""
+        from contracts.config import run_endpoints
+
+        return cls(run_endpoints(run), **kw)
+
+    @classmethod
     def from_url(cls, url: str, **kw) -> "Etcd":
         """`etcd://HOST:PORT[,HOST:PORT…]`."""
         from contracts.config import coordinator_endpoints
@@ -111,6 +118,8 @@ class Etcd:
             resp = conn.getresponse()
             data = resp.read()
         except (OSError, http.client.HTTPException) as e:
+            with self._lock:          # a member that takes the connection but not the request (one cut off
+                self._preferred = (index + 1) % len(self.endpoints)   # from its quorum): the next call asks another
             raise EtcdUnavailableError(f"etcd at {self.endpoints[index][0]}:{self.endpoints[index][1]}: {e}") from e
         finally:
             conn.close()
@@ -121,7 +130,12 @@ class Etcd:
         except ValueError as e:
             raise EtcdError(f"etcd {path}: not JSON: {data[:200]!r}") from e
         if resp.status != 200 or "error" in out:
-            raise EtcdError(f"etcd {path}: {out.get('message') or out.get('error') or resp.status}")
+            message = f"etcd {path}: {out.get('message') or out.get('error') or resp.status}"
+            if resp.status >= 500 or any(w in message for w in ("no leader", "timed out", "leader changed")):
+                with self._lock:      # this member cannot serve now (no quorum, an election): ask another
+                    self._preferred = (index + 1) % len(self.endpoints)
+                raise EtcdUnavailableError(message)
+            raise EtcdError(message)
         return out.get("result", out)
 
     # Keys --------------------------------------------------------------------------------------
@@ -195,7 +209,9 @@ class Etcd:
         body = {"create_request": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)),
                                    "start_revision": str(start_revision)}}
         try:
-            conn.request("POST", "/v3/watch", json.dumps(body), {"Content-Type": "application/json"})
+            # hasleader: a member cut off from its cluster's leader ends the stream rather than go silent
+            conn.request("POST", "/v3/watch", json.dumps(body), {"Content-Type": "application/json",
+                                                                 "Grpc-Metadata-hasleader": "true"})
             resp = conn.getresponse()
             if resp.status != 200:
                 raise EtcdError(f"etcd /v3/watch: HTTP {resp.status}")
@@ -217,6 +233,8 @@ class Etcd:
                 if events:
                     yield events
         except (OSError, http.client.HTTPException, ValueError) as e:
+            with self._lock:
+                self._preferred = (index + 1) % len(self.endpoints)
             raise EtcdUnavailableError(f"etcd watch at {self.endpoints[index][0]}: {e}") from e
         finally:
             conn.close()

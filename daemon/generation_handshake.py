@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from contracts.config import Config, with_changes
+from contracts.config import EMBEDDED, Config, run_endpoints, with_changes
 from contracts.elastic import shape_on
 from contracts.protocol import ExitCode
 from daemon import watch
@@ -129,6 +129,8 @@ class GenerationHandshake:
         merged.update({"parallel.dp": shape.dp, "train.micro_batch": shape.micro_batch,
                        "train.grad_accum_steps": shape.grad_accum_steps, "run.nodes": len(members),
                        "run.node_rank": slot, "run.min_nodes": 0, "run.master_addr": scheduler_addr})
+        if base.run.coordinator == EMBEDDED:       # the same etcd, named as the generation's (fewer) nodes allow
+            merged["run.coordinator"] = "etcd://" + ",".join(f"{h}:{p}" for h, p in run_endpoints(base.run))
         return with_changes(base, merged)
 
     def _ranks(self, members: tuple[int, ...]) -> tuple[int, ...]:

@@ -75,7 +75,7 @@ class Ledger:
         self.save()
 
     def next_generation(self, number: int | None = None) -> int:
-        """The next generation, or generation `number` (a multi-node run's, as node 0 published it)."""
+        """The next generation, or generation `number` (a multi-node run's, as its decider published it)."""
         self.log.generation = self.state.next_generation(number)
         self.generation_opened = time.monotonic()
         self.metrics.update(generation=self.state.generation)
@@ -118,6 +118,12 @@ class Ledger:
         self.save()
         if text:
             self.notify.status(text)
+
+    def set_waiting(self, what: str) -> None:
+        """What the daemon waits for (`status` shows it) until its ranks run again."""
+        self.state.set_waiting(what)
+        self.save()
+        self.notify.status(what)
 
     def exit(self, code: int, status: str, reason: str, level: str = "info", **fields: Any) -> int:
         """The daemon ends with `code`: its status saved, a `daemon_exit` event."""

@@ -19,10 +19,11 @@ import time
 from typing import Callable
 
 from checkpointing import layout
-from contracts.config import Config, config_hash
+from contracts.config import EMBEDDED, Config, config_hash
 from contracts.protocol import ExitCode
 from daemon import watch
 from daemon.etcd_client import Etcd, EtcdError, compare_modified, op_delete_prefix, op_put
+from daemon.embedded_etcd import EmbeddedMember
 from daemon.etcd_keys import Coordinator, NotLeaderError
 from daemon.ledger import Ledger
 from daemon.peers import PeersUnavailableError
@@ -40,7 +41,8 @@ class Membership:
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
-        self.coord = Coordinator(cfg, Etcd.from_url(cfg.run.coordinator, timeout_s=2.0), clock=clock)
+        self.coord = Coordinator(cfg, Etcd.for_run(cfg.run, timeout_s=2.0), clock=clock)
+        self.member = None          # run.coordinator = "embedded": this node's etcd member (set at start)
         self.joined_at: int | None = None       # the generation number stored when this daemon joined
         self.joined_revision = 0                # etcd's revision then: older run ends are another daemon's
         self.run_id = ""                        # the run directory's identity (checkpointing.layout.run_id)
@@ -55,13 +57,18 @@ class Membership:
     def start(self, ledger: Ledger, files: RunFiles) -> None:
         """Checks the run's identity and claims this node's rank (before writing any key), joins,
         and campaigns if no one decides yet."""
+        if self.cfg.run.coordinator == EMBEDDED:
+            self.member = EmbeddedMember(self.cfg, files.node_dir, files.log_dir)
         try:
             files.run_dir.mkdir(parents=True, exist_ok=True)
             self.run_id = layout.run_id(files.run_dir)
         except OSError as e:
             raise PeersUnavailableError(f"run.dir {files.run_dir}: {e.strerror or e}", ExitCode.CANT_CREATE) from e
+        if self.member is not None:
+            if (said := self.member.start()) is not None:
+                ledger.emit("etcd_member", node=self.coord.node, detail=said)
         try:
-            kvs, revision = self.coord.client.get_prefix(self.coord.prefix)
+            kvs, revision = self._first_read(ledger)
             stored = {kv.key.decode()[len(self.coord.prefix):]: kv for kv in kvs}
             self._check_identity(stored, files)
             self._claim_rank(stored)
@@ -75,6 +82,19 @@ class Membership:
         ledger.emit("node_joined", node=self.coord.node, nodes=self.cfg.run.nodes, addr=self.coord.addr,
                     leader=self.coord.leader(), live=self.coord.live_nodes(), stored_generation=self.joined_at,
                     prefix=self.coord.prefix)
+
+    def _first_read(self, ledger: Ledger):
+        """Every key of the run. An embedded etcd answers once a quorum of its members runs (they start
+        with their daemons): waited for up to run.coordinator_timeout_s; an external one must answer."""
+        deadline = self.clock() + (self.cfg.run.coordinator_timeout_s if self.member is not None else 0.0)
+        while True:
+            try:
+                return self.coord.client.get_prefix(self.coord.prefix)
+            except EtcdError:
+                if self.clock() >= deadline:
+                    raise
+                ledger.tick()
+                time.sleep(1.0)
 
     def _check_identity(self, stored: dict, files: RunFiles) -> None:
         """The run in etcd must be this one: the same run directory (its id) and trajectory. While
@@ -130,6 +150,8 @@ class Membership:
 
     def close(self) -> None:
         self.coord.leave()
+        if self.member is not None:
+            self.member.stop()
 
     # Who is there ------------------------------------------------------------------------------
     def live(self) -> list[int]:
@@ -200,7 +222,9 @@ class Membership:
         if self._leaderless_since is None:
             self._leaderless_since = now
             since = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-            ledger.set_status(ledger.state.status, f"waiting for a decider since {since}")
+            held = ledger.state.undecided or {}
+            incident = f" (incident: {held.get('kind')}: {held.get('detail')})" if held else ""
+            ledger.set_waiting(f"waiting for a decider since {since}{incident}")
             ledger.emit("waiting_for_decider", level="warning", node=self.coord.node, live=self.live(),
                         detail=f"no daemon decides for the run (its decider's lease expired) since {since}")
         return True

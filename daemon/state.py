@@ -51,6 +51,7 @@ class RunState:
     restarts_without_progress: int = 0   # consecutive restarts with no new committed checkpoint
     last_committed_step: int = 0         # newest committed checkpoint when the last generation began
     status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
+    waiting: str = ""                    # what the daemon waits for, when it does (multi-node: a decider)
     incidents: list[IncidentRecord] = dataclasses.field(default_factory=list)   # with the action taken
     recovery: RecoveryDirective | None = None     # the policy's directive in force
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
@@ -116,13 +117,18 @@ class RunState:
         self.total_steps, self.log_dir = total_steps, log_dir
 
     def next_generation(self, number: int | None = None) -> int:
-        """A generation begins: the one after the last, or `number` (a multi-node run's, as node 0
+        """A generation begins: the one after the last, or `number` (a multi-node run's, as its decider
         published it; in the rebuild, the highest the log shows). Returns its number."""
         self.generation = self.generation + 1 if number is None else number
         return self.generation
 
     def set_status(self, status: str) -> None:
         self.status = status
+        if status == "running":
+            self.waiting = ""
+
+    def set_waiting(self, what: str) -> None:
+        self.waiting = what
 
     def set_processes(self, records: Sequence[dict[str, Any]]) -> None:
         """This node's processes now (ranks, scheduler, standby): a later daemon ends them if this one dies."""
@@ -154,12 +160,12 @@ class RunState:
     def apply_incident(self, record: IncidentRecord, *,
                        in_force: tuple[Mapping[str, Any], RecoveryDirective | None] | None = None) -> None:
         """An incident and the action taken on it (a warning: none) into the state: the one place this
-        is done, for the decision just made (daemon.decisions), for node 0's decision on another node,
+        is done, for the decision just made (daemon.decisions), for the decider's decision on another node,
         and for each incident of the event log in the rebuild (daemon.state_rebuild). A decided incident is
         no longer undecided; a restart's config changes add to those in force; a rollback merges into
         the recovery directive and is pending until its renames are done (`rollback_done`).
-        `in_force`: node 0's config changes and recovery directive after its decision, which another
-        node takes as they are (its own history may be shorter); node 0 alone carries out rollbacks."""
+        `in_force`: the decider's config changes and recovery directive after its decision, which another
+        node takes as they are (its own history may be shorter); the decider alone carries out rollbacks."""
         self.incidents.append(record)
         action = record.action
         if action is not None:
@@ -180,7 +186,7 @@ class RunState:
             self.last_committed_step = resume_step
 
     def set_config_changes(self, changes: Mapping[str, Any]) -> None:
-        """Another node: node 0's config changes, as it published them with a generation."""
+        """Another node: the decider's config changes, as it published them with a generation."""
         self.config_changes = dict(changes)
 
     def checkpoint_failed(self, step: int) -> bool:

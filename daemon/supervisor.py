@@ -132,7 +132,7 @@ class Supervisor:
                 if isinstance(outcome, watch.Regroup):        # multi-node: a lost node is back
                     continue
                 code = self._wait_for_resume() if isinstance(outcome, watch.Released) else self._recover(outcome.incident)
-            except peers.PeersUnavailableError as e:     # too few nodes, or etcd or node 0 gone too long
+            except peers.PeersUnavailableError as e:     # too few nodes, or etcd gone too long
                 return self.ledger.exit(e.code, "failed", "nodes", "error", detail=str(e))
             if code is not None:
                 return code
@@ -244,7 +244,7 @@ class Supervisor:
     def _sleep(self, seconds: float, *, paused: bool = False) -> str | None:
         """Waits (at least one look at the control directory), handling control requests while no ranks
         run: "stop" at once if a stop is asked for, "resume" if one comes while `paused`, None when
-        the time is up. On a node other than 0 the requests go to node 0."""
+        the time is up. On a node that does not decide the requests go to the decider."""
         deadline = time.monotonic() + seconds
         while True:
             self.ledger.tick()

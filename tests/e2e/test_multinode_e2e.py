@@ -1,7 +1,9 @@
 """Hosts as network namespaces on a bridge, one daemon and one MindSpore rank each, agreeing through
-a real etcd on host 0: two hosts train as one (losses equal one host with two ranks) and ride out
-faults together (a rank or a daemon killed, etcd down, a NaN, a cut link, a stop on host 1); three
-hosts lose one, go on with two at the same global batch, and take it back."""
+a real etcd: two hosts (etcd on host 0) train as one (losses equal one host with two ranks) and
+ride out faults together (a rank or a daemon killed, etcd down, a NaN, a cut link, a stop on host
+1); three hosts on an embedded etcd lose host 0 for good, elect another decider, go on with two at
+the same global batch, and take it back; a partitioned decider stops its ranks and commits
+nothing; an impostor is refused; a crash loop ends every host with 3."""
 import datetime
 import json
 import os
@@ -43,8 +45,13 @@ def _sets(corpus, run, *extra):
 
 
 def _start_node(cli, env, hosts, etcd, i, run, corpus, tmp_path, *more):
-    extra = [f"run.nodes={hosts.count}", f"run.node_rank={i}", f'run.master_addr="{hosts.addr(0)}"',
-             "run.master_port=29555", f'run.coordinator="{etcd.url}"', "run.node_lease_ttl_s=3", *more]
+    """Host i's daemon; `etcd`: an EtcdServer, or "embedded" (members on the first three hosts). No
+    run.master_addr: the decider publishes where its scheduler listens."""
+    coordinator = ["run.coordinator=\"embedded\"",
+                   f'run.coordinator_members="{",".join(hosts.addr(h) for h in range(3))}"'] \
+        if etcd == "embedded" else [f'run.coordinator="{etcd.url}"']
+    extra = [f"run.nodes={hosts.count}", f"run.node_rank={i}", "run.master_port=29555", *coordinator,
+             "run.node_lease_ttl_s=3", *more]
     out = open(tmp_path / f"node-{i}.out", "a")
     return subprocess.Popen([*hosts.prefix(i), *cli, "run", "--log-format", "json", *_sets(corpus, run, *extra)],
                             cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -78,53 +85,61 @@ def _finish(procs, timeout_s=400):
     return [p.returncode for p in procs]
 
 
-def test_three_hosts_lose_one_go_on_with_two_at_the_same_global_batch_and_take_it_back(cli, quiet_env, tmp_path,
-                                                                                          stdlib_corpus):
+def test_three_hosts_on_an_embedded_etcd_lose_host_0_elect_another_go_on_with_two_and_take_it_back(
+        cli, quiet_env, tmp_path, stdlib_corpus):
+    """Host 0 (the first decider, MindSpore's scheduler, an etcd member) lost for good: every process
+    on it killed and its link cut. Hosts 1 and 2 keep etcd's quorum, elect a decider, and train at
+    the same global batch and sample order; host 0 returns as a follower and the run takes it back."""
     elastic = ["parallel.dp=3", "train.global_batch=12", "run.min_nodes=2", "run.node_rejoin_timeout_s=5",
                "train.steps=60"]
     run = tmp_path / "run"
     with Hosts(3) as hosts:
-        etcd = EtcdServer(tmp_path / "etcd", host=hosts.addr(0), client_port=2379, peer_port=2380,
-                          prefix=hosts.prefix(0)).start()
-        start = lambda i: _start_node(cli, quiet_env, hosts, etcd, i, run, stdlib_corpus, tmp_path, *elastic)
+        start = lambda i: _start_node(cli, quiet_env, hosts, "embedded", i, run, stdlib_corpus, tmp_path, *elastic)
         nodes = [start(i) for i in range(3)]
         try:
-            rank_logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in range(3)]
-            wait_for(lambda: len(_steps(rank_logs[2])) >= 15, 300, "step 15 on host 2")
-            hosts.lose(2)                                        # host 2 is gone (daemon, rank), and stays gone
+            wait_for(lambda: len(_steps(run / "logs" / "node-0" / "rank-0.log")) >= 15, 300, "step 15 on host 0")
+            assert [e for e in _events(run, 0) if e["event"] == "waiting_for_nodes"], "host 0 did not decide first"
+            hosts.lose(0)                                        # every process on host 0: daemon, rank,
+            hosts.cut(0)                                         # scheduler, etcd member; and its link
             lost_at = time.time()
-            nodes[2].wait()
+            nodes[0].wait()
 
             def smaller_generation_trains():
-                shrunk = [e for e in _events(run, 0) if e["event"] == "nodes_shrunk"]
-                return shrunk and [e for e in _events(run, 0) if e["event"] == "first_step"
+                shrunk = [e for e in _events(run, 1) if e["event"] == "nodes_shrunk"]
+                return shrunk and [e for e in _events(run, 1) if e["event"] == "first_step"
                                    and e["generation"] == shrunk[0]["generation"]]
-            wait_for(smaller_generation_trains, 120, "the first step on two hosts")
-            shrunk_gen = next(e for e in _events(run, 0) if e["event"] == "nodes_shrunk")["generation"]
-            first = next(e for e in _events(run, 0) if e["event"] == "first_step" and e["generation"] == shrunk_gen)
+            wait_for(smaller_generation_trains, 180, "the first step on two hosts")
+            shrunk_gen = next(e for e in _events(run, 1) if e["event"] == "nodes_shrunk")["generation"]
+            first = next(e for e in _events(run, 1) if e["event"] == "first_step" and e["generation"] == shrunk_gen)
             first_at = datetime.datetime.fromisoformat(first["ts"].replace("Z", "+00:00")).timestamp()
-            print(f"host lost -> first step on two hosts: {first_at - lost_at:.1f} s "
+            print(f"host 0 lost -> first step on two hosts: {first_at - lost_at:.1f} s "
                   f"(lease ttl 3 s, rejoin timeout 5 s, generation start {first['since_open_s']} s)")
-            wait_for(lambda: len([e for e in _steps(rank_logs[0]) if e["generation"] == shrunk_gen]) >= 8, 200,
+            small_log = run / "logs" / "node-1" / "rank-0.log"          # host 1 holds rank 0 on two hosts
+            wait_for(lambda: len([e for e in _steps(small_log) if e["generation"] == shrunk_gen]) >= 8, 200,
                      "steps on two hosts")
-            nodes[2] = start(2)                                  # back: taken in at once, after a checkpoint
+            hosts.restore(0)
+            nodes[0] = start(0)                                  # back: a follower, taken in after a checkpoint
             codes = _finish(nodes, 400)
         finally:
             for p in nodes:
                 if p.poll() is None:
                     p.kill()
-            etcd.stop()
     outputs = [(tmp_path / f"node-{i}.out").read_text()[-3000:] for i in range(3)]
     assert codes == [0, 0, 0], outputs
-    ev0 = _events(run, 0)
-    shrunk = [e for e in ev0 if e["event"] == "nodes_shrunk"]
-    assert [(e["members"], e["dp"], e["micro_batch"], e["grad_accum_steps"]) for e in shrunk] == [([0, 1], 2, 3, 2)]
-    assert [e for e in ev0 if e["event"] == "nodes_rejoined"]
-    starts = [[e["generation"] for e in _events(run, i) if e["event"] == "generation_start"] for i in range(3)]
-    assert starts[0] == starts[1] and starts[2][-1] == starts[0][-1], starts
+    ev = {i: _events(run, i) for i in range(3)}
+    named = lambda i, name: [e for e in ev[i] if e["event"] == name]
+    assert [e["node"] for e in named(1, "elected")] == [1] and not named(2, "elected")
+    assert len([e for e in named(0, "etcd_member")]) == 2                # started, then started again on return
+    shrunk = named(1, "nodes_shrunk")
+    assert [(e["members"], e["lost"], e["dp"], e["micro_batch"], e["grad_accum_steps"]) for e in shrunk] == [
+        ([1, 2], [0], 2, 3, 2)]
+    assert named(1, "nodes_rejoined")
+    starts = [[e["generation"] for e in named(i, "generation_start")] for i in range(3)]
+    assert starts[1] == starts[2] and starts[0][-1] == starts[1][-1], starts
+    assert named(0, "generation_start")[-1]["ranks"] == [0]           # host 0 first again, as a follower
     # the same global batch and sample order on 3 and on 2 hosts: a step replayed by the smaller
     # cluster has the loss the full cluster had, and every step's samples are the same 12
-    steps = _steps(run / "logs" / "node-0" / "rank-0.log")
+    steps = _steps(run / "logs" / "node-0" / "rank-0.log") + _steps(small_log)
     by_generation: dict[int, dict[int, dict]] = {}
     for e in steps:
         by_generation.setdefault(e["generation"], {})[e["step"]] = e
@@ -136,7 +151,7 @@ def test_three_hosts_lose_one_go_on_with_two_at_the_same_global_batch_and_take_i
     assert all(e["sample_end"] - e["sample_start"] == 12 and e["sample_start"] == 12 * (e["step"] - 1) for e in steps)
     assert max(e["step"] for e in steps) == 60
     for node in range(3):
-        assert [e["reason"] for e in _events(run, node) if e["event"] == "daemon_exit"][-1:] == ["finished"]
+        assert [e["reason"] for e in named(node, "daemon_exit")][-1:] == ["finished"]
 
 
 def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_daemon_a_cut_link_and_a_stop(
@@ -246,3 +261,84 @@ def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_d
         got = {e["step"]: e["loss"] for e in _steps(log) if e["generation"] == 1 and e["step"] <= STEPS}
         assert sorted(got) == sorted(expected) and all(_close(got[s], expected[s]) for s in expected)
     assert named(0, "daemon_exit")[-1]["step"] == newest
+
+
+def test_a_partitioned_decider_stops_its_ranks_and_commits_nothing_the_others_go_on_and_an_impostor_is_refused(
+        cli, quiet_env, tmp_path, stdlib_corpus):
+    """Host 0 (the decider, an embedded etcd member) cut off from the others but alive: its ranks
+    stall, it stops them at once and commits nothing; hosts 1 and 2 elect a decider and go on; the
+    link back, host 0 rejoins as a follower. Meanwhile a copied config started as node 0 on a spare
+    machine with a run directory of its own is refused (78) and the run's generations do not move."""
+    elastic = ["run.nodes=3", "parallel.dp=3", "train.global_batch=12", "run.min_nodes=2",
+               "run.node_rejoin_timeout_s=5", "train.steps=70", "health.hang_floor_s=30", "run.coordinator_timeout_s=300"]
+    run = tmp_path / "run"
+    with Hosts(4) as hosts:                                  # host 3: a spare machine, no part of the run
+        start = lambda i, *more: _start_node(cli, quiet_env, hosts, "embedded", i, run, stdlib_corpus, tmp_path,
+                                             *elastic, *more)
+        nodes = [start(i) for i in range(3)]
+        try:
+            wait_for(lambda: len(_steps(run / "logs" / "node-1" / "rank-1.log")) >= 15, 300, "step 15 on host 1")
+            assert [e for e in _events(run, 0) if e["event"] == "waiting_for_nodes"], "host 0 did not decide first"
+            gens = [e["generation"] for e in _events(run, 1) if e["event"] == "generation_start"]
+            impostor = subprocess.run(
+                [*hosts.prefix(3), *cli, "run", "--log-format", "json",
+                 *_sets(stdlib_corpus, tmp_path / "impostor", *elastic, "run.node_rank=0", "run.master_port=29555",
+                        'run.coordinator="embedded"',
+                        f'run.coordinator_members="{",".join(hosts.addr(h) for h in range(3))}"')],
+                cwd=tmp_path, env=quiet_env, capture_output=True, text=True, timeout=120)
+            assert [e["generation"] for e in _events(run, 1) if e["event"] == "generation_start"] == gens
+            hosts.cut(0)                                         # partitioned, alive
+            cut_at = time.time()
+            wait_for(lambda: [e for e in _events(run, 0) if e["event"] == "cut_off"], 120, "host 0 to cut itself off")
+            wait_for(lambda: [e for e in _events(run, 1) if e["event"] == "nodes_shrunk"], 180, "two hosts training")
+            shrunk_gen = next(e for e in _events(run, 1) if e["event"] == "nodes_shrunk")["generation"]
+            wait_for(lambda: len([e for e in _steps(run / "logs" / "node-1" / "rank-0.log")
+                                  if e["generation"] == shrunk_gen]) >= 8, 200, "steps on two hosts")
+            hosts.restore(0)
+            codes = _finish(nodes, 400)
+        finally:
+            for p in nodes:
+                if p.poll() is None:
+                    p.kill()
+    outputs = [(tmp_path / f"node-{i}.out").read_text()[-3000:] for i in range(3)]
+    exits = [json.loads(line) for line in impostor.stdout.splitlines() if '"daemon_exit"' in line]
+    assert impostor.returncode == 78 and "is not of the run under" in exits[0]["detail"], impostor.stdout[-2000:]
+    assert codes == [0, 0, 0], outputs
+    ev = {i: _events(run, i) for i in range(3)}
+    named = lambda i, name: [e for e in ev[i] if e["event"] == name]
+    cut = named(0, "cut_off")[0]
+    cut_ts = datetime.datetime.fromisoformat(cut["ts"].replace("Z", "+00:00")).timestamp()
+    print(f"link cut -> host 0 stopped its ranks: {cut_ts - cut_at:.1f} s")
+    # nothing committed on host 0's side after the cut, and no step committed in two generations
+    ts = lambda e: datetime.datetime.fromisoformat(e["ts"].replace("Z", "+00:00")).timestamp()
+    assert not [e for e in named(0, "checkpoint_committed") if ts(e) > cut_at], named(0, "checkpoint_committed")
+    committed_in: dict[int, set[int]] = {}
+    for i in range(3):
+        for e in named(i, "checkpoint_committed"):
+            committed_in.setdefault(e["step"], set()).add(e["generation"])
+    assert all(len(g) == 1 for g in committed_in.values()), committed_in
+    assert [e["node"] for e in named(1, "elected")] == [1]
+    assert named(1, "nodes_rejoined") and named(0, "generation_start")[-1]["ranks"] == [0]
+    for node in range(3):
+        assert [e["reason"] for e in named(node, "daemon_exit")][-1:] == ["finished"]
+
+
+def test_a_crash_loop_ends_every_host_with_3(cli, quiet_env, tmp_path, stdlib_corpus, hosts, etcd):
+    broken = tmp_path / "broken"           # a broken environment on every host: each rank dies as it starts
+    broken.mkdir()
+    (broken / "sitecustomize.py").write_text(
+        "import os\nif os.environ.get('LLM_PRETRAIN_GENERATION'):\n    os._exit(1)\n")
+    env = dict(quiet_env, PYTHONPATH=f"{broken}{os.pathsep}{quiet_env.get('PYTHONPATH', '')}")
+    run = tmp_path / "run"
+    nodes = [_start_node(cli, env, hosts, etcd, i, run, stdlib_corpus, tmp_path,
+                         "health.max_restarts_without_progress=2") for i in (0, 1)]
+    try:
+        codes = _finish(nodes, 200)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [3, 3], [(tmp_path / f"node-{i}.out").read_text()[-2000:] for i in (0, 1)]
+    for node in (0, 1):
+        final = [e for e in _events(run, node) if e["event"] == "daemon_exit"][-1]
+        assert (final["code"], final["reason"]) == (3, "crash_loop"), final

@@ -60,6 +60,14 @@ BAD = [
     (["run.nodes=2", "run.min_nodes=3"], ["run.min_nodes = 3", "range"]),
     (['run.coordinator_prefix="runs/x"'], ["run.coordinator_prefix", "start with '/'"]),
     (["run.node_lease_ttl_s=1"], ["run.node_lease_ttl_s", "range"]),
+    (["run.nodes=2", "run.master_port=1", 'run.coordinator="embedded"', 'run.coordinator_members="a,b,c"'],
+     ["embedded", "run.nodes >= 3", "no embedded etcd quorum survives"]),
+    (["run.nodes=3", "parallel.dp=3", "run.master_port=1", "train.global_batch=24", 'run.coordinator="embedded"',
+      'run.coordinator_members="a,b"'],
+     ["run.coordinator_members = 'a,b'", "first 3 (or 5)", "node i runs etcd member i"]),
+    (["run.nodes=3", "parallel.dp=3", "run.master_port=1", "train.global_batch=24", 'run.coordinator="embedded"',
+      'run.coordinator_members="a,b:1,c"'], ["run.coordinator_members", "'b:1' must be HOST or HOST:CLIENT_PORT:PEER_PORT"]),
+    (['run.node_addr="a b"'], ["run.node_addr", "host name or address"]),
 ]
 
 
@@ -71,6 +79,14 @@ def test_a_multi_node_run_names_its_coordinator_and_keys():
     assert coordinator_endpoints(cfg.run.coordinator) == [("10.0.0.1", 2379), ("10.0.0.2", 2379)]
     assert cfg.run.key_prefix == "/llm-pretrain/tiny/" and cfg.run.quorum == 3
     assert load_config(None, ['run.coordinator_prefix="/team/a"', "run.nodes=1"]).run.key_prefix == "/team/a/"
+
+
+def test_an_embedded_etcd_is_reached_at_its_members_clients():
+    from contracts.config import run_endpoints
+
+    cfg = load_config(None, ["run.nodes=4", "parallel.dp=4", "run.master_port=29500", "train.global_batch=32",
+                             'run.coordinator="embedded"', 'run.coordinator_members="10.0.0.1,10.0.0.2,h3:2479:2480"'])
+    assert run_endpoints(cfg.run) == [("10.0.0.1", 2379), ("10.0.0.2", 2379), ("h3", 2479)]
 
 
 @pytest.mark.parametrize("overrides,layers", [
