@@ -76,12 +76,15 @@ class Membership:
             self.joined_at = json.loads(generation.value).get("number", 0) if generation else 0
             self.joined_revision = revision
             self.coord.join()
-            self.coord.campaign(self.clock())
+            elected = self.coord.campaign(self.clock())
         except EtcdError as e:
             raise PeersUnavailableError(f"run.coordinator {self.cfg.run.coordinator}: {e}", ExitCode.TEMP_FAIL) from e
         ledger.emit("node_joined", node=self.coord.node, nodes=self.cfg.run.nodes, addr=self.coord.addr,
                     leader=self.coord.leader(), live=self.coord.live_nodes(), stored_generation=self.joined_at,
                     prefix=self.coord.prefix)
+        if elected:
+            ledger.emit("elected", node=self.coord.node, addr=self.coord.addr,
+                        detail=f"node {self.coord.node} decides for the run")
 
     def _first_read(self, ledger: Ledger):
         """Every key of the run. An embedded etcd answers once a quorum of its members runs (they start

@@ -98,7 +98,7 @@ def test_three_hosts_on_an_embedded_etcd_lose_host_0_elect_another_go_on_with_tw
         nodes = [start(i) for i in range(3)]
         try:
             wait_for(lambda: len(_steps(run / "logs" / "node-0" / "rank-0.log")) >= 15, 300, "step 15 on host 0")
-            assert [e for e in _events(run, 0) if e["event"] == "waiting_for_nodes"], "host 0 did not decide first"
+            assert [e for e in _events(run, 0) if e["event"] == "elected"], "host 0 did not decide first"
             hosts.lose(0)                                        # every process on host 0: daemon, rank,
             hosts.cut(0)                                         # scheduler, etcd member; and its link
             lost_at = time.time()
@@ -278,7 +278,7 @@ def test_a_partitioned_decider_stops_its_ranks_and_commits_nothing_the_others_go
         nodes = [start(i) for i in range(3)]
         try:
             wait_for(lambda: len(_steps(run / "logs" / "node-1" / "rank-1.log")) >= 15, 300, "step 15 on host 1")
-            assert [e for e in _events(run, 0) if e["event"] == "waiting_for_nodes"], "host 0 did not decide first"
+            assert [e for e in _events(run, 0) if e["event"] == "elected"], "host 0 did not decide first"
             gens = [e["generation"] for e in _events(run, 1) if e["event"] == "generation_start"]
             impostor = subprocess.run(
                 [*hosts.prefix(3), *cli, "run", "--log-format", "json",
