@@ -128,7 +128,8 @@ class Supervisor:
                 outcome = watch.Failed(undecided) if undecided else self._generation()
                 undecided = None
                 if isinstance(outcome, (watch.Finished, watch.Stopped, watch.WorkerFailed, watch.Ended)):
-                    return decisions.end_as(outcome, self.ledger, stop_code=self.stop_code, stop_reason=self.stop_reason)
+                    return decisions.end_as(outcome, self.ledger, stop_code=self.stop_code,
+                                            stop_reason=self.stop_reason)
                 if isinstance(outcome, watch.Regroup):        # multi-node: a lost node is back
                     continue
                 code = self._wait_for_resume() if isinstance(outcome, watch.Released) else self._recover(outcome.incident)
@@ -190,7 +191,7 @@ class Supervisor:
             for request in [*self.control.intake(self.ledger), *self.peers.requests()]:
                 if not self.peers.forward(request):        # the decider writes the ranks' commands for all
                     w.on_control(request, now)
-            if (elsewhere := self.peers.hear(n, now, idle_s=now - w.last_step_at)) is not None:
+            if (elsewhere := self.peers.hear(n, now, idle_s=now - w.last_step_at if w.stepping else 0.0)) is not None:
                 return elsewhere
             if self.peers.cut_off(now) and not self.stop_reason:
                 self.stop_reason, self.stop_code = "etcd unreachable past run.coordinator_timeout_s", ExitCode.TEMP_FAIL
