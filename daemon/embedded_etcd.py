@@ -45,7 +45,8 @@ class EmbeddedMember:
                 "--listen-client-urls", f"http://{host}:{client}", "--advertise-client-urls", f"http://{host}:{client}",
                 "--listen-peer-urls", f"http://{host}:{peer}", "--initial-advertise-peer-urls", f"http://{host}:{peer}",
                 "--initial-cluster", cluster, "--initial-cluster-state", "new", "--initial-cluster-token", self.token,
-                "--log-level", "warn"]
+                "--pre-vote", "--log-level", "warn"]    # pre-vote: a member back from a partition does not
+                                                        # force an election on the others (seconds without etcd)
 
     def start(self) -> str | None:
         """Starts this node's member (None when it runs none); says what it did. Raises

@@ -205,6 +205,8 @@ class Membership:
                 return None
             now = self.clock()
             self.check_coordinator(now)
+            if follower and self.is_leader:          # it decides (elected since, or all along)
+                return BecameLeader()
             if follower and self._leaderless(ledger, now) and self.campaign(now):
                 self._leaderless_since = None
                 ledger.emit("elected", node=self.coord.node, addr=self.coord.addr,

@@ -63,7 +63,7 @@ class Peers(Protocol):
 
     def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
         """Generation `number` ended elsewhere, or this node is cut off from it: how. `idle_s`: how long
-        this node's ranks have made no step (0 until they have made one: compiling is not stalling)."""
+        this node's ranks have made no step while they should (daemon.watch.Watch.stalled_s)."""
 
     def requests(self) -> list[Request]:
         """Operator requests made on other nodes that this one acts on."""

@@ -191,7 +191,7 @@ class Supervisor:
             for request in [*self.control.intake(self.ledger), *self.peers.requests()]:
                 if not self.peers.forward(request):        # the decider writes the ranks' commands for all
                     w.on_control(request, now)
-            if (elsewhere := self.peers.hear(n, now, idle_s=now - w.last_step_at if w.stepping else 0.0)) is not None:
+            if (elsewhere := self.peers.hear(n, now, idle_s=w.stalled_s(now))) is not None:
                 return elsewhere
             if self.peers.cut_off(now) and not self.stop_reason:
                 self.stop_reason, self.stop_code = "etcd unreachable past run.coordinator_timeout_s", ExitCode.TEMP_FAIL

@@ -310,6 +310,14 @@ class Watch:
         """Every rank has completed a step in this generation (its compile is behind it)."""
         return set(self.ranks) <= self._first_step_seen
 
+    def stalled_s(self, now: float) -> float:
+        """How long the ranks have made no step while they should be stepping: 0 before their first
+        step (compiling), while paused or stopping, and after the run's last step."""
+        if (not self.stepping or self.pause is not Pause.RUNNING or self.stop_sent_at is not None
+                or self.last_step >= self.cfg.train.steps):
+            return 0.0
+        return max(0.0, now - self.last_step_at)
+
     @property
     def saving(self) -> bool:
         """A checkpoint is being written: staged by a rank, not yet committed or failed."""

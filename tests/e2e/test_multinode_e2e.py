@@ -270,7 +270,8 @@ def test_a_partitioned_decider_stops_its_ranks_and_commits_nothing_the_others_go
     link back, host 0 rejoins as a follower. Meanwhile a copied config started as node 0 on a spare
     machine with a run directory of its own is refused (78) and the run's generations do not move."""
     elastic = ["run.nodes=3", "parallel.dp=3", "train.global_batch=12", "run.min_nodes=2",
-               "run.node_rejoin_timeout_s=5", "train.steps=70", "health.hang_floor_s=30", "run.coordinator_timeout_s=300"]
+               "run.node_rejoin_timeout_s=5", "train.steps=120", "health.hang_floor_s=30",
+               "run.coordinator_timeout_s=300"]
     run = tmp_path / "run"
     with Hosts(4) as hosts:                                  # host 3: a spare machine, no part of the run
         start = lambda i, *more: _start_node(cli, quiet_env, hosts, "embedded", i, run, stdlib_corpus, tmp_path,

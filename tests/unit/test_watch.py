@@ -396,3 +396,15 @@ def test_ranks_whose_exit_events_were_lost_ended_at_the_last_commit_seen():
     for r in (0, 1):
         w.on_exit(r, 0, 2.0)
     assert w.tick(2.0) == Stopped(7)
+
+
+def test_ranks_count_as_stalled_only_while_they_should_be_stepping():
+    w = make()
+    assert w.stalled_s(50.0) == 0.0                          # compiling: no step yet
+    t = steps(w, 1, 10, 1.0)
+    assert w.stalled_s(t + 4.0) == pytest.approx(4.0)       # stepped, then nothing for 4 s
+    w.request_stop("maintenance", t + 5.0)
+    assert w.stalled_s(t + 9.0) == 0.0                      # stopping: saving, not stalled
+    done = make()
+    t = steps(done, 1, 100, 1.0)
+    assert done.stalled_s(t + 30.0) == 0.0                  # the run's last step: nothing more to come
