@@ -77,13 +77,15 @@ def test_logs_filter_by_rank_keeps_only_that_rank_s_events(tmp_path):
 
 
 def test_a_multi_node_run_shows_node_0_s_view_and_every_node_without_etcd_saying_liveness_is_unknown(tmp_path):
+    waiting = "waiting for a decider since 2026-12-03 03:00:01 UTC (incident: node_lost: node 0's daemon is gone)"
     for node, step in ((0, 400), (1, 398)):
         d = tmp_path / "nodes" / f"node-{node}"
         d.mkdir(parents=True)
-        _state(d, generation=3, last_progress={"step": step, "loss": 2.5, "unix_s": 4600.0, "mean_step_s": 0.25})
+        _state(d, generation=3, last_progress={"step": step, "loss": 2.5, "unix_s": 4600.0, "mean_step_s": 0.25},
+               **({"waiting": waiting} if node == 1 else {}))
     s = summary(tmp_path, now=4601.0)          # no resolved config: no coordinator to ask
     assert s["step"] == 400 and [(n["node"], n["step"], n["lease"]) for n in s["nodes"]] == [(0, 400, None),
                                                                                             (1, 398, None)]
     text = render(s)
-    assert "node 1           running, generation 3, step 398" in text
+    assert f"node 1           running, generation 3, step 398; {waiting}" in text
     assert "etcd unreachable (node liveness unknown)" in text
