@@ -36,7 +36,7 @@ class DecisionExchange:
         came while waiting for the decision."""
         number = ledger.state.generation
         while True:
-            if self.is_leader:
+            if self.is_leader and self.confirm():      # still decides: its rollback renames are its to do
                 decision = decisions.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg,
                                                        base_cfg=base_cfg)
                 published = {"record": decision.record.to_dict(), "config_changes": ledger.state.config_changes,

@@ -250,6 +250,13 @@ def compare_exists(key: bytes | str) -> dict:
     return {"key": _b64(key), "target": "CREATE", "result": "GREATER", "create_revision": "0"}
 
 
+def compare_none_under(prefix: bytes | str) -> dict:
+    """No key starts with `prefix` (a range compare: every key in it created at revision 0)."""
+    prefix = prefix.encode() if isinstance(prefix, str) else prefix
+    return {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix)), "target": "CREATE", "result": "EQUAL",
+            "create_revision": "0"}
+
+
 def compare_modified(key: bytes | str, revision: int) -> dict:
     """The key's last write was at `revision` (0: it does not exist)."""
     if revision == 0:

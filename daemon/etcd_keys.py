@@ -225,13 +225,21 @@ class Coordinator:
         """This daemon decides: it won the election with its current lease, renewed within the TTL,
         and no other leader key is seen."""
         with self._lock:
-            if not self.token:
-                return False
             seen = self._mirror.get("leader")
-            if seen is None or seen.create_revision != self.token:
-                self.token = 0                  # the key went with the lease, or another won since
+            if seen is not None and self._ours(seen):
+                self.token = seen.create_revision      # its own key (a campaign whose answer was lost)
+            if not self.token or seen is None:         # not seen (a mirror behind): unsure, the token stands
                 return False
-            return now - self._renewed <= self.ttl_s     # unsure meanwhile; renewed, it decides again
+            if seen.create_revision != self.token:
+                self.token = 0                         # another won since: deposed
+                return False
+            return now - self._renewed <= self.ttl_s   # unsure meanwhile; renewed, it decides again
+
+    def _ours(self, kv: KeyValue) -> bool:
+        """A leader key this daemon wrote with its current lease."""
+        value = _decode(kv.value)
+        return bool(self.lease) and kv.lease == self.lease and isinstance(value, dict) and \
+            value.get("daemon") == self.daemon
 
     def campaign(self, now: float) -> bool:
         """Where no leader key stands and it is this node's turn (lower-ranked live nodes first, for
@@ -292,10 +300,13 @@ class Coordinator:
         """The decider starts generation `number` unless the stored one moved on meanwhile (a CAS,
         fenced)."""
         current = self.client.get(self._key("generation"))
-        if current is not None and _decode(current.value).get("number", -1) >= number:
+        stored = _decode(current.value) if current is not None else None
+        if isinstance(stored, dict) and stored.get("number") == number and stored.get("daemon") == self.daemon:
+            return True                 # this daemon's own write, whose answer was lost: written
+        if isinstance(stored, dict) and stored.get("number", -1) >= number:
             return False
         value = {"number": number, "members": members, "addr": addr, "port": port, "resume_step": resume_step,
-                 "config_changes": config_changes or {}, "leader": self.node}
+                 "config_changes": config_changes or {}, "leader": self.node, "daemon": self.daemon}
         return self._fenced([op_put(self._key("generation"), json.dumps(value))],
                             compare_modified(self._key("generation"), 0 if current is None else current.mod_revision))
 

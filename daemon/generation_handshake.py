@@ -95,6 +95,8 @@ class GenerationHandshake:
             ledger.emit("deposed", level="warning", node=self.coord.node, detail=str(e))
             return False
         except EtcdError:
+            ledger.tick()
+            time.sleep(POLL_S)                  # etcd away: asked again, not at once
             return False
 
     def _follow(self, ledger: Ledger, base: Config, stopping) -> Opened | BecameLeader | None:
@@ -193,7 +195,8 @@ class GenerationHandshake:
         except EtcdError:
             return outcome
         cut_off = isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off")
-        return outcome if cut_off else stands       # a cut-off node's ranks stop at once whatever the cause
+        # a cut-off node's ranks stop at once (no grace) for a failure decided elsewhere
+        return outcome if cut_off and isinstance(stands, watch.Failed) else stands
 
     def _unasked_stop(self, number: int) -> watch.Outcome:
         deadline = self.clock() + self.coord.ttl_s + 2.0

@@ -22,7 +22,7 @@ from checkpointing import layout
 from contracts.config import EMBEDDED, Config, config_hash
 from contracts.protocol import ExitCode
 from daemon import watch
-from daemon.etcd_client import Etcd, EtcdError, compare_modified, op_delete_prefix, op_put
+from daemon.etcd_client import Etcd, EtcdError, compare_modified, compare_none_under, op_delete_prefix, op_put
 from daemon.embedded_etcd import EmbeddedMember
 from daemon.etcd_keys import Coordinator, NotLeaderError
 from daemon.ledger import Ledger
@@ -116,10 +116,11 @@ class Membership:
                 f"{theirs.get('run_id')} and {theirs.get('trajectory')} (every node must share one run directory "
                 "and config; another run needs its own run.coordinator_prefix)", ExitCode.CONFIG_ERROR)
         ops = [op_put(self.coord.prefix + "identity", json.dumps(mine))]
+        compares = [compare_modified(self.coord.prefix + "identity", kv.mod_revision if kv else 0)]
         if theirs is not None and theirs.get("run_id") != self.run_id:        # another run's leftovers
             ops = [op_delete_prefix(self.coord.prefix), *ops]
-        won, _ = self.coord.client.txn([compare_modified(self.coord.prefix + "identity", kv.mod_revision if kv else 0)],
-                                       ops)
+            compares.append(compare_none_under(self.coord.prefix + "nodes/"))  # none of its daemons came back
+        won, _ = self.coord.client.txn(compares, ops)
         if not won:            # another daemon wrote it first: it must be of this run too
             again = self.coord.client.get(self.coord.prefix + "identity")
             if again is None or _json(again.value) != mine:
@@ -138,7 +139,8 @@ class Membership:
         if kv is None:
             return
         held = _json(kv.value) or {}
-        if held.get("addr") == self.coord.addr and held.get("host") == self.coord.record()["host"]:
+        if held.get("addr") == self.coord.addr and held.get("host") == self.coord.record()["host"] \
+                and not _alive(held.get("pid")):              # this machine's previous daemon, dead
             self.coord.client.revoke(kv.lease)
             return
         deadline = self.clock() + self.coord.ttl_s + 1.0
@@ -293,3 +295,15 @@ def _json(value: bytes):
         return json.loads(value)
     except ValueError:
         return None
+
+
+def _alive(pid) -> bool:
+    """A process of this machine (a pid reused since only makes the newcomer wait a lease TTL)."""
+    import os
+
+    try:
+        number = int(pid)
+        os.kill(number, 0)
+    except (OSError, TypeError, ValueError):
+        return False
+    return True

@@ -311,12 +311,13 @@ class Watch:
         return set(self.ranks) <= self._first_step_seen
 
     def stalled_s(self, now: float) -> float:
-        """How long the ranks have made no step while they should be stepping: 0 before their first
-        step (compiling), while paused or stopping, and after the run's last step."""
-        if (not self.stepping or self.pause is not Pause.RUNNING or self.stop_sent_at is not None
+        """How long the ranks have made no step past twice their p99 step time while they should be
+        stepping: 0 before their first step (compiling), while saving, paused or stopping, and after
+        the run's last step."""
+        if (not self.stepping or self.saving or self.pause is not Pause.RUNNING or self.stop_sent_at is not None
                 or self.last_step >= self.cfg.train.steps):
             return 0.0
-        return max(0.0, now - self.last_step_at)
+        return max(0.0, now - self.last_step_at - 2.0 * (self.step_times.p99() or 0.0))
 
     @property
     def saving(self) -> bool:

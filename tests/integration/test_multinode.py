@@ -368,7 +368,8 @@ def test_a_crash_loop_decided_by_the_decider_ends_every_node_with_3(tmp_path, et
         assert (final["code"], final["reason"]) == (3, "crash_loop"), final
 
 
-def test_a_second_daemon_with_a_live_node_s_rank_is_refused_and_the_run_goes_on(tmp_path, etcd):
+@pytest.mark.parametrize("where", [[], ['run.node_addr="127.0.0.9"']], ids=["this machine", "another machine"])
+def test_a_second_daemon_with_a_live_node_s_rank_is_refused_and_the_run_goes_on(tmp_path, etcd, where):
     run, fake = tmp_path / "run", ["--steps", "100000", "--interval", "5", "--step-s", "0.05"]
     procs = [_node(i, run, etcd.url, fake=fake) for i in (0, 1)]
     try:
@@ -377,7 +378,7 @@ def test_a_second_daemon_with_a_live_node_s_rank_is_refused_and_the_run_goes_on(
         copy = tmp_path / "copy"
         copy.mkdir()
         (copy / ".run-id").write_text((run / ".run-id").read_text())
-        code, events, err = _finish(_node(0, copy, etcd.url, 'run.node_addr="127.0.0.9"'), 60)
+        code, events, err = _finish(_node(0, copy, etcd.url, *where), 60)
         running = [p.poll() for p in procs]
     finally:
         for p in procs:
