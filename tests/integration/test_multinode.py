@@ -177,21 +177,37 @@ def _wait(ready, timeout_s, what):
         time.sleep(0.2)
 
 
+class _GatedThree:
+    """Three nodes of an elastic run (min_nodes 2, rejoin timeout 2 s) whose fake ranks hold before
+    step 100 until `gate` exists (the run cannot finish before the test lets it); `start(i)` starts
+    (or restarts) node i."""
+
+    def __init__(self, tmp_path, coordinator, *more):
+        self.gate, self.run = tmp_path / "gate", tmp_path / "run"
+        self.fake = ["--steps", "150", "--interval", "5", "--step-s", "0.05", "--gate-at", "100",
+                     "--gate", str(self.gate)]
+        self.coordinator, self.more = coordinator, ["run.min_nodes=2", "run.node_rejoin_timeout_s=2", *more]
+        self.logs = [self.run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1, 2)]
+        self.procs = [self.start(i) for i in (0, 1, 2)]
+
+    def start(self, i):
+        return _three(i, self.run, self.coordinator, *self.more, fake=self.fake)
+
+    def stepped(self, i, steps=10) -> bool:
+        return self.logs[i].exists() and self.logs[i].read_text().count('"kind": "step"') >= steps
+
+
 def test_a_node_lost_past_the_rejoin_timeout_shrinks_the_run_and_is_taken_back_when_it_returns(tmp_path, etcd):
     # no rank steps past 100 until node 2 is back (or its generation is ended): the run cannot finish first
-    gate = tmp_path / "gate"
-    run, fake = tmp_path / "run", ["--steps", "150", "--interval", "5", "--step-s", "0.05", "--gate-at", "100",
-                                   "--gate", str(gate)]
-    elastic = ["run.min_nodes=2", "run.node_rejoin_timeout_s=2"]
-    procs = [_three(i, run, etcd.url, *elastic, fake=fake) for i in (0, 1, 2)]
-    logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1, 2)]
+    three = _GatedThree(tmp_path, etcd.url)
+    gate, run, procs, logs = three.gate, three.run, three.procs, three.logs
     try:
-        _wait(lambda: logs[2].exists() and logs[2].read_text().count('"kind": "step"') >= 10, 30, "steps on node 2")
+        _wait(lambda: three.stepped(2), 30, "steps on node 2")
         procs[2].send_signal(signal.SIGKILL)          # node 2's daemon is gone; its rank ends by itself
         procs[2].wait()
         # the generation without node 2 started on both (their SIGTERM handlers set: each steps at least once)
         _wait(lambda: len(_configs(logs[0])) >= 2 and len(_configs(logs[1])) >= 2, 40, "a generation without node 2")
-        procs[2] = _three(2, run, etcd.url, *elastic, fake=fake)        # back: taken in at the next generation
+        procs[2] = three.start(2)                    # back: taken in at the next generation
         _wait(lambda: _node_events(run, 0, "nodes_rejoined"), 120, "node 2 taken back")
         gate.touch()
         results = [_finish(p, 120) for p in procs]
@@ -275,19 +291,15 @@ def test_ranks_stopped_by_a_sigterm_from_outside_do_not_stop_the_run(tmp_path, e
 
 
 def test_node_0_lost_for_good_another_decides_the_run_shrinks_and_node_0_returns_as_a_follower(tmp_path, etcd):
-    gate = tmp_path / "gate"
-    run, fake = tmp_path / "run", ["--steps", "150", "--interval", "5", "--step-s", "0.05", "--gate-at", "100",
-                                   "--gate", str(gate)]
-    elastic = ["run.min_nodes=2", "run.node_rejoin_timeout_s=2"]
-    procs = [_three(i, run, etcd.url, *elastic, fake=fake) for i in (0, 1, 2)]
-    logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1, 2)]
+    three = _GatedThree(tmp_path, etcd.url)
+    gate, run, procs = three.gate, three.run, three.procs
     try:
-        _wait(lambda: logs[0].exists() and logs[0].read_text().count('"kind": "step"') >= 10, 30, "steps on node 0")
+        _wait(lambda: three.stepped(0), 30, "steps on node 0")
         assert _node_events(run, 0, "elected"), "node 0 was not the first decider"
         procs[0].send_signal(signal.SIGKILL)          # the decider's daemon is gone; its rank ends by itself
         procs[0].wait()
         _wait(lambda: _node_events(run, 1, "nodes_shrunk"), 60, "a generation of nodes 1 and 2")
-        procs[0] = _three(0, run, etcd.url, *elastic, fake=fake)        # back, as a follower
+        procs[0] = three.start(0)                    # back, as a follower
         _wait(lambda: _node_events(run, 1, "nodes_rejoined"), 120, "node 0 taken back")
         gate.touch()
         results = [_finish(p, 120) for p in procs]
@@ -396,14 +408,10 @@ def test_an_embedded_etcd_of_three_members_outlives_node_0_with_its_member(tmp_p
 
     etcd_binary()                                      # skipped (or failed under CI) without one
     members = ",".join(f"127.0.0.1:{_free_port()}:{_free_port()}" for _ in range(3))
-    gate = tmp_path / "gate"
-    run, fake = tmp_path / "run", ["--steps", "150", "--interval", "5", "--step-s", "0.05", "--gate-at", "100",
-                                   "--gate", str(gate)]
-    common = [f'run.coordinator_members="{members}"', "run.min_nodes=2", "run.node_rejoin_timeout_s=2"]
-    procs = [_three(i, run, "embedded", *common, fake=fake) for i in (0, 1, 2)]
-    logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1, 2)]
+    three = _GatedThree(tmp_path, "embedded", f'run.coordinator_members="{members}"')
+    gate, run, procs = three.gate, three.run, three.procs
     try:
-        _wait(lambda: logs[0].exists() and logs[0].read_text().count('"kind": "step"') >= 10, 60, "steps on node 0")
+        _wait(lambda: three.stepped(0), 60, "steps on node 0")
         assert len({e["detail"] for i in (0, 1, 2) for e in _node_events(run, i, "etcd_member")}) == 3
         member0 = json.loads((run / "nodes" / "node-0" / "etcd.json").read_text())["pid"]
         procs[0].send_signal(signal.SIGKILL)          # node 0 lost: its daemon and its etcd member
