@@ -182,7 +182,7 @@ class Coordinator:
     def _get(self, name: str) -> Any:
         with self._lock:
             entry = self._mirror.get(name)
-        return None if entry is None else _decode(entry.value)
+        return None if entry is None else decode(entry.value)
 
     # What the mirror says -----------------------------------------------------------------------
     def live_nodes(self) -> list[int]:
@@ -212,7 +212,7 @@ class Coordinator:
     def pending_requests(self) -> list[tuple[str, dict]]:
         """Operator requests not taken yet (the decider takes them), oldest first: (key, request)."""
         with self._lock:
-            fresh = sorted(((kv.mod_revision, k, _decode(kv.value)) for k, kv in self._mirror.items()
+            fresh = sorted(((kv.mod_revision, k, decode(kv.value)) for k, kv in self._mirror.items()
                             if k.startswith("requests/")), key=lambda item: item[0])
         return [(k, v) for _, k, v in fresh if isinstance(v, dict)]
 
@@ -237,7 +237,7 @@ class Coordinator:
 
     def _ours(self, kv: KeyValue) -> bool:
         """A leader key this daemon wrote with its current lease."""
-        value = _decode(kv.value)
+        value = decode(kv.value)
         return bool(self.lease) and kv.lease == self.lease and isinstance(value, dict) and \
             value.get("daemon") == self.daemon
 
@@ -300,7 +300,7 @@ class Coordinator:
         """The decider starts generation `number` unless the stored one moved on meanwhile (a CAS,
         fenced)."""
         current = self.client.get(self._key("generation"))
-        stored = _decode(current.value) if current is not None else None
+        stored = decode(current.value) if current is not None else None
         if isinstance(stored, dict) and stored.get("number") == number and stored.get("daemon") == self.daemon:
             return True                 # this daemon's own write, whose answer was lost: written
         if isinstance(stored, dict) and stored.get("number", -1) >= number:
@@ -317,7 +317,7 @@ class Coordinator:
         if not self.client.put_if(key, json.dumps({**cause, "node": self.node}), mod_revision=0):
             stored = self.client.get(key)
             if stored is not None:
-                return _decode(stored.value)
+                return decode(stored.value)
         return {**cause, "node": self.node}
 
     def publish_decision(self, number: int, decision: dict) -> None:
@@ -359,7 +359,8 @@ def local_addr(client: Etcd) -> str:
         return "127.0.0.1"
 
 
-def _decode(value: bytes) -> Any:
+def decode(value: bytes) -> Any:
+    """A stored value as JSON; None when it is not JSON."""
     try:
         return json.loads(value)
     except ValueError:

@@ -24,7 +24,7 @@ from contracts.protocol import ExitCode
 from daemon import watch
 from daemon.etcd_client import Etcd, EtcdError, compare_modified, compare_none_under, op_delete_prefix, op_put
 from daemon.embedded_etcd import EmbeddedMember
-from daemon.etcd_keys import Coordinator, NotLeaderError
+from daemon.etcd_keys import Coordinator, NotLeaderError, decode
 from daemon.ledger import Ledger
 from daemon.peers import PeersUnavailableError
 from daemon.run_files import RunFiles
@@ -105,7 +105,7 @@ class Membership:
         prefix (a new run directory: the old run's keys go)."""
         mine = {"run_id": self.run_id, "trajectory": config_hash(self.cfg)}
         kv = stored.get("identity")
-        theirs = _json(kv.value) if kv else None
+        theirs = decode(kv.value) if kv else None
         if theirs == mine:
             return
         live = sorted(k for k in stored if k.startswith("nodes/"))
@@ -123,10 +123,10 @@ class Membership:
         won, _ = self.coord.client.txn(compares, ops)
         if not won:            # another daemon wrote it first: it must be of this run too
             again = self.coord.client.get(self.coord.prefix + "identity")
-            if again is None or _json(again.value) != mine:
+            if again is None or decode(again.value) != mine:
                 raise PeersUnavailableError(
                     f"another daemon took {self.coord.prefix} for a different run (run id "
-                    f"{_json(again.value).get('run_id') if again else '?'}) while this one started with run id "
+                    f"{decode(again.value).get('run_id') if again else '?'}) while this one started with run id "
                     f"{self.run_id}: every node must share one run directory", ExitCode.CONFIG_ERROR)
         if kv is not None:
             stored.clear()                    # the previous run's keys are not this one's to read
@@ -138,7 +138,7 @@ class Membership:
         kv = stored.get(key)
         if kv is None:
             return
-        held = _json(kv.value) or {}
+        held = decode(kv.value) or {}
         if held.get("addr") == self.coord.addr and held.get("host") == self.coord.record()["host"] \
                 and not _alive(held.get("pid")):              # this machine's previous daemon, dead
             self.coord.client.revoke(kv.lease)
@@ -281,20 +281,13 @@ class Membership:
         """How the decider ended the run since this daemon joined, as this node's outcome; None: it
         goes on."""
         kv = self.coord.run_end_kv()
-        end = _json(kv.value) if kv is not None and kv.mod_revision > self.joined_revision else None
+        end = decode(kv.value) if kv is not None and kv.mod_revision > self.joined_revision else None
         if not isinstance(end, dict) or end.get("run_id") != self.run_id or end.get("node") == self.coord.node:
             return None
         detail = f"node {end.get('node')}'s daemon ended the run: {end.get('status')}"
         if end.get("status") in ("finished", "stopped") and end.get("code") == 0:
             return watch.Finished(None) if end["status"] == "finished" else watch.Stopped(None)
         return watch.Ended(int(end.get("code", 1)), end.get("status", "failed"), end.get("reason", "nodes"), detail)
-
-
-def _json(value: bytes):
-    try:
-        return json.loads(value)
-    except ValueError:
-        return None
 
 
 def _alive(pid) -> bool:
