@@ -137,7 +137,8 @@ class ProcessShardWriter:
     def close(self) -> None:
         """Ends the child (after the save in flight) and frees the shared memory."""
         if self._child is not None:
-            self._drain(None)
+            self._drain(None)        # a child found dead here is reaped by it
+        if self._child is not None:
             _end(self._child)
             self._child = None
         if self._memory is not None:

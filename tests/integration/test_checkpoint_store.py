@@ -143,12 +143,32 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
     assert "leftovers" in outcomes       # some kills did land mid-save
 
 
+def test_closing_a_writer_whose_process_died_between_saves_frees_it_without_an_error(tmp_path):
+    w = ProcessShardWriter(tmp_path, rank=0, world=1, keep_last=2)
+    w.save(1, {"w": np.full(8, 1.0)}, run_state={"step": 1})
+    assert w.wait(timeout_s=60) and w.last_error is None
+    pid = w.pid
+    os.kill(pid, signal.SIGKILL)
+    assert _wait_until(lambda: _gone(pid), timeout_s=5)
+    w.close()
+    assert w.pid is None and layout.committed_steps(tmp_path) == [1]
+
+
 def _gone(pid: int) -> bool:
-    """The process has ended (a zombie no one reaps counts: it runs nothing)."""
+    """The process has ended: every thread of it (a zombie no one reaps counts: it runs nothing). The
+    leader alone is not enough: a killed leader shows "Z" while its other threads still exit, and until
+    the last one has, the process's files (its pipes) are still open."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        return all(_state(task) == "Z" for task in Path(f"/proc/{pid}/task").iterdir())
     except FileNotFoundError:
         return True
+
+
+def _state(task: Path) -> str:
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "Z"                   # the thread exited while we looked
 
 
 def _wait_until(predicate, timeout_s: float) -> bool:
