@@ -30,11 +30,12 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
         elif isinstance(e, watch.CheckpointFailed):
             ledger.checkpoint_failed(e.step, e.detail)
         elif isinstance(e, watch.Committed):
-            ledger.checkpoint_committed(e.step)
+            # one event per save, the checkpoints it retired in it (a line of their own doubled the console)
             retired = peers.is_leader and peers.confirm() and files.retire_old(cfg, ledger.state.incidents,
                                                                                current_step=e.current_step)
-            if retired:
-                ledger.emit("checkpoints_retired", step=e.step, steps=retired)
+            ledger.emit("checkpoint_committed", rank=e.rank, step=e.step, detail=e.detail,
+                        **({"retired": retired} if retired else {}))
+            ledger.checkpoint_committed(e.step)
             _disk_space(ledger, files, e.step)
         elif isinstance(e, watch.DumpStacks):
             gen.dump_stacks(e.ranks)

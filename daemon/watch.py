@@ -97,9 +97,12 @@ class Warned:
 
 @dataclasses.dataclass(frozen=True)
 class Committed:
-    """A checkpoint was committed (retention, metrics) while the watched rank was at `current_step`."""
+    """A checkpoint was committed (retention, metrics, the `checkpoint_committed` event) while the
+    watched rank was at `current_step`; `rank` reported it."""
     step: int
     current_step: int
+    rank: int = 0
+    detail: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +334,7 @@ class Watch:
             self._unsettled = {s for s in self._unsettled if s > ev.step}
         if ev.stage == "committed":
             self._committed_step = max(self._committed_step, ev.step)
-            self._do(Committed(ev.step, max(self.last_step, ev.step)))
+            self._do(Committed(ev.step, max(self.last_step, ev.step), ev.rank, ev.detail))
         elif ev.stage == "failed":
             self._do(CheckpointFailed(ev.step, ev.detail))
         elif ev.stage == "restored" and ev.rank == self.watched:
@@ -339,9 +342,8 @@ class Watch:
         elif ev.stage == "in_memory_failed":
             self._do(Note("checkpoint_in_memory_failed", "warning", {"rank": ev.rank, "step": ev.step,
                                                                      "detail": ev.detail}))
-        if ev.stage in ("committed", "failed", "quarantined"):
-            self._do(Note(f"checkpoint_{ev.stage}", "info" if ev.stage == "committed" else "error",
-                          {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
+        if ev.stage in ("failed", "quarantined"):
+            self._do(Note(f"checkpoint_{ev.stage}", "error", {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
 
     def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,
                 device_oom_line: str | None = None) -> None:

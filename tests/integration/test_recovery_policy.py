@@ -61,7 +61,7 @@ def test_the_daemon_retires_old_checkpoints_but_keeps_the_one_a_rollback_needs(t
     starts = _named(events, "generation_start")
     assert action["type"] == "rollback" and action["checkpoint_step"] == 25     # as with every checkpoint kept
     assert starts[1]["resume_step"] == action["checkpoint_step"]        # it was still there
-    retired = [s for e in _named(events, "checkpoints_retired") if e["generation"] == 1 for s in e["steps"]]
+    retired = [s for e in _named(events, "checkpoint_committed") if e["generation"] == 1 for s in e.get("retired") or []]
     # at the commit of 30 the daemon has seen step 30 or a little more: 20 or 25 is the newest settled one
     assert retired in ([5, 10, 15], [5, 10, 15, 20])
     # at the end (step 60, margin 4, hold 3: horizon 53): the newest healthy one at or before it, and later ones

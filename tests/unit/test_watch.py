@@ -261,11 +261,10 @@ def test_checkpoint_events_are_reported_and_a_commit_asks_for_retention():
     w.on_event(CheckpointEvent(rank=1, generation=1, step=10, stage="written"), 2.0)
     w.on_event(CheckpointEvent(rank=0, generation=1, step=20, stage="failed", detail="ENOSPC"), 3.0)
     effects = [e for e in w.drain() if not isinstance(e, Progress)]
-    assert effects[0] == Committed(10, current_step=12)
+    assert effects[0] == Committed(10, current_step=12, rank=0)
     assert watch.CheckpointFailed(20, "ENOSPC") in effects          # training goes on: no outcome
     assert w.tick(3.0) is None
-    assert [(n.event, n.level) for n in kinds(effects, Note)] == [("checkpoint_committed", "info"),
-                                                                   ("checkpoint_failed", "error")]
+    assert [(n.event, n.level) for n in kinds(effects, Note)] == [("checkpoint_failed", "error")]   # a commit is one event
 
 
 def test_events_of_another_generation_or_an_unknown_rank_are_ignored():
