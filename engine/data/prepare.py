@@ -75,7 +75,7 @@ def find_inputs(specs: Sequence[str]) -> list[Path]:
             elif path.is_file():
                 found.append(path)
             else:
-                raise DataError(f"input {spec!r} does not exist")
+                raise DataError(_not_an_input(spec, path))
     seen: set[Path] = set()
     unique = []
     for f in found:
@@ -84,6 +84,18 @@ def find_inputs(specs: Sequence[str]) -> list[Path]:
             seen.add(key)
             unique.append(f)
     return unique
+
+
+def _not_an_input(spec: str, path: Path) -> str:
+    """Why a path that is neither a file nor a directory cannot be read as text."""
+    allowed = "name text files, directories, globs or @stdlib"
+    if path.is_symlink() and not path.exists():
+        return f"input {spec!r} is a broken symbolic link (to {os.readlink(path)!r}); {allowed}"
+    if not path.exists():
+        return f"input {spec!r} does not exist; {allowed}"
+    kind = ("a character device" if path.is_char_device() else "a block device" if path.is_block_device()
+            else "a pipe" if path.is_fifo() else "a socket" if path.is_socket() else "not a regular file")
+    return f"input {spec!r} is {kind}, not a text file or a directory; {allowed}"
 
 
 # Work done in the tokenizer processes ----------------------------------------

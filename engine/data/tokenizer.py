@@ -10,6 +10,7 @@ No MindSpore here.
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -94,9 +95,14 @@ class HFTokenizer:
             self.path = self.path / "tokenizer.json"
         try:
             raw = self.path.read_bytes()
-            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except FileNotFoundError:
-            raise TokenizerError(f"tokenizer file {str(self.path)!r} does not exist") from None
+            raise TokenizerError(f"tokenizer file {str(self.path)!r} does not exist; give `byte` or a Hugging Face "
+                                 "tokenizer.json (or a directory holding one)") from None
+        except OSError as e:
+            raise TokenizerError(f"tokenizer file {str(self.path)!r} cannot be read: {e.strerror or e}") from None
+        _check_tokenizer_json(self.path, raw)
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the tokenizers library raises its own untyped exceptions
             raise TokenizerError(f"tokenizer file {str(self.path)!r} is not a valid tokenizer.json: {e}") from None
         self.sha256 = hashlib.sha256(raw).hexdigest()
@@ -117,6 +123,23 @@ class HFTokenizer:
         return {"kind": self.kind, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
                 "eos_token": self.eos_token, "file": self.path.name, "path": str(self.path.resolve()),
                 "sha256": self.sha256}
+
+
+def _check_tokenizer_json(path: Path, raw: bytes) -> None:
+    """What is wrong with a file that is not a tokenizer.json, said before the tokenizers library says
+    it in its own words (for JSON of another shape: "expected `,` or `}`")."""
+    where = f"tokenizer file {str(path)!r}"
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TokenizerError(f"{where} is not UTF-8 text; expected a Hugging Face tokenizer.json") from None
+    except ValueError as e:
+        raise TokenizerError(f"{where} is not JSON ({e}); expected a Hugging Face tokenizer.json") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+        found = (f"an object with keys {', '.join(sorted(data)[:8]) or 'none'}" if isinstance(data, dict)
+                 else f"a JSON {type(data).__name__}")
+        raise TokenizerError(f"{where} is JSON but not a Hugging Face tokenizer.json (it is {found}; a "
+                             "tokenizer.json is an object with a \"model\" section, as tokenizer.save() writes it)")
 
 
 def load_tokenizer(spec: str, eos_token: str | None = None) -> ByteTokenizer | HFTokenizer:

@@ -187,3 +187,23 @@ def test_bad_paths_are_one_line_and_a_documented_code_never_70(tmp_path, cli, qu
     assert proc.returncode == code, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]              # nothing created
+
+
+@pytest.mark.parametrize("tokenizer,message", [
+    ('{"vocab": {"a": 0}}', "is JSON but not a Hugging Face tokenizer.json (it is an object with keys vocab;"),
+    ("[1, 2]", "is JSON but not a Hugging Face tokenizer.json (it is a JSON list;"),
+    ("vocab = 3", "is not JSON (Expecting value: line 1 column 1"),
+    (None, "input '/dev/zero' is a character device, not a text file or a directory"),
+])
+def test_prepare_data_says_what_is_wrong_with_an_input_or_a_tokenizer(tmp_path, cli, quiet_env, tokenizer, message):
+    (tmp_path / "in.txt").write_text("some text\n")
+    args = ["--input", str(tmp_path / "in.txt")]
+    if tokenizer is None:
+        args = ["--input", "/dev/zero"]
+    else:
+        (tmp_path / "tok.json").write_text(tokenizer)
+        args += ["--tokenizer", str(tmp_path / "tok.json")]
+    proc = subprocess.run([*cli, "prepare-data", *args, "--output", str(tmp_path / "corpus")], capture_output=True,
+                          text=True, env=quiet_env, timeout=120)
+    assert proc.returncode == 65 and message in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "corpus").exists()
