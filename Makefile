@@ -5,29 +5,37 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
-EXTRAS ?= test        # .ci/run adds `interop` (torch 2.13.0 + transformers for the reference comparisons)
+# the optional dependencies installed (pyproject.toml): `test`, and `interop` (torch 2.13.0 +
+# transformers, for the reference comparisons); commas or spaces between them: EXTRAS="test interop"
+EXTRAS ?= test
+comma := ,
+empty :=
+space := $(empty) $(empty)
+EXTRAS_LIST := $(subst $(space),$(comma),$(strip $(subst $(comma),$(space),$(EXTRAS))))
+# one stamp per set of extras: asking for another set installs it into the same venv
+INSTALLED := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS_LIST))
 
 .PHONY: demo test test-fast bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[$(strip $(EXTRAS))]'
+	$(BIN)/python -m pip install -q -e '.[$(EXTRAS_LIST)]'
 	touch $@
 
-demo: $(VENV)/.installed
+demo: $(INSTALLED)
 	$(BIN)/llm-pretrain run $(ARGS)
 
 # every test once: the fast tiers where MindSpore cannot be imported (they must never need it), then e2e
-test: $(VENV)/.installed
+test: $(INSTALLED)
 	PYTHONPATH="$(CURDIR)/tests/without_mindspore" $(BIN)/python -m pytest tests/unit tests/integration
 	$(BIN)/python -m pytest tests/e2e
 
 # the fast tier by path, so tests/e2e is not even collected: it runs where MindSpore cannot be imported
-test-fast: $(VENV)/.installed
+test-fast: $(INSTALLED)
 	PYTHONPATH="$(CURDIR)/tests/without_mindspore" $(BIN)/python -m pytest tests/unit tests/integration
 
-bench: $(VENV)/.installed
+bench: $(INSTALLED)
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/vs_pytorch.py --recompute
 	$(BIN)/python bench/data_throughput.py
