@@ -63,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(train)
     train.add_argument("--until-step", type=int, metavar="N",
                        help="checkpoint and stop after step N (resume later with the same command)")
-    train.add_argument("--allow-config-change", action="store_true",
-                       help="resume even if trajectory-defining config keys differ from the checkpoint's")
+    _add_allow_config_change(train)
     _add_log_format(train, "console: the default on a terminal when no daemon supervises this process")
 
     run = sub.add_parser("run", help="the daemon: start this node's ranks, watch them, bring them back")
     _add_config_args(run)
+    _add_allow_config_change(run)
     _add_log_format(run, "console: the default on a terminal; events.jsonl is always JSON")
 
     _add_operations(sub)
@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_config_args(add_chaos(sub))           # the config of the run `--start` starts
     return parser
+
+
+def _add_allow_config_change(parser) -> None:
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="resume even if trajectory-defining config keys differ from the checkpoint's (e.g. a "
+                             "new optim.cosine_steps to train on with a longer schedule); the keys are named")
 
 
 def _add_log_format(parser, when: str) -> None:
@@ -307,11 +313,13 @@ def _resumable(cfg, *, allow_config_change: bool = False):
 def _cmd_run(args: argparse.Namespace) -> int:
     from daemon.supervisor import Supervisor
 
-    cfg = _resumable(_load_config(args.config, args.overrides))
+    cfg = _resumable(_load_config(args.config, args.overrides), allow_config_change=args.allow_config_change)
     _check_data(cfg)
     # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`), not
     # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
-    worker_cmd = [sys.executable, "-m", "cli", "train"]
+    # Allowed a config change, they are for this daemon's life: a rollback may go back to a checkpoint
+    # trained before the change.
+    worker_cmd = [sys.executable, "-m", "cli", "train", *(["--allow-config-change"] if args.allow_config_change else [])]
     scheduler_cmd = [sys.executable, "-m", "engine.rank.scheduler"]
     return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd,
                       stream=_console(args, default=True)).run()

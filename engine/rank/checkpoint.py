@@ -238,7 +238,7 @@ class TrainerCheckpoints:
             changed = changed_keys(state.get("trajectory", {}), trajectory_dict(self.cfg))
             raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings "
                               f"({', '.join(changed) or 'config hash differs'}); restore the config or pass "
-                              "--allow-config-change to resume anyway")
+                              "--allow-config-change (`run` or `train`) to resume anyway")
         saved_layout = state.get("parallel_layout")
         refusal = parallel.resume_refusal(saved_layout, self.parallelism)
         if refusal:

@@ -6,7 +6,8 @@ JSON; no tensors are read, no MindSpore):
   ("decay until train.steps") the run keeps the schedule its checkpoints were trained on, as
   Megatron keeps `--lr-decay-iters` when `--train-iters` grows: raising train.steps trains on at
   `optim.min_lr` past the old end, and no step already trained changes its lr. A new decay length
-  is a trajectory change: set `optim.cosine_steps` and pass --allow-config-change to `train`.
+  is a trajectory change: set `optim.cosine_steps` and pass --allow-config-change to `run` or `train`
+  (the keys that changed are named in the note).
 - a checkpoint saved in slices (semi-auto parallel) resumes only onto the layout that cut them;
 - any other trajectory-defining difference is refused here, in one line naming the keys, instead
   of inside a rank after the cluster formed.
@@ -64,10 +65,12 @@ def check_resume(cfg: Config, ckpt_root: Path, *, allow_config_change: bool = Fa
     if refusal:
         raise ConfigError(f"checkpoint {path} cannot be resumed: {refusal}")
     cfg, note = keep_schedule(cfg, state.get("trajectory") or {})
-    if allow_config_change or state.get("config_hash") == config_hash(cfg):
+    if state.get("config_hash") == config_hash(cfg):
         return cfg, note
-    changed = changed_keys(state.get("trajectory") or {}, trajectory_dict(cfg))
-    raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings "
-                      f"({', '.join(changed) or 'config hash differs'}); restore them (`llm-pretrain config` prints "
-                      "what a config resolves to), start a new run.dir, or resume with `train "
-                      "--allow-config-change`")
+    changed = ", ".join(changed_keys(state.get("trajectory") or {}, trajectory_dict(cfg))) or "config hash differs"
+    if allow_config_change:
+        allowed = f"resuming checkpoint {path} with changed trajectory-defining settings ({changed}), as allowed"
+        return cfg, "; ".join(n for n in (allowed, note) if n)
+    raise ConfigError(f"checkpoint {path} was trained with other trajectory-defining settings ({changed}); restore "
+                      "them (`llm-pretrain config` prints what a config resolves to), start a new run.dir, or resume "
+                      "with --allow-config-change (`run` or `train`)")

@@ -151,6 +151,25 @@ def test_resuming_with_a_changed_trajectory_is_refused(cli, quiet_env, tmp_path,
     assert allowed.returncode == 0
 
 
+def test_the_daemon_trains_on_with_a_new_decay_length_only_when_allowed(cli, quiet_env, tmp_path, base):
+    """`run` takes --allow-config-change as `train` does, names the keys that changed, and its ranks
+    resume the old checkpoint under the new schedule."""
+    run = [*base, f'run.dir="{tmp_path / "run"}"', "checkpoint.interval_steps=5"]
+    daemon = lambda *args: subprocess.run([*cli, "run", "--log-format", "json", *args], capture_output=True, text=True,
+                                          env=quiet_env, cwd=tmp_path, timeout=600)
+    first = daemon(*sets(*run, "train.steps=10"))
+    assert first.returncode == 0, first.stderr[-2000:]
+    longer = sets(*run, "train.steps=15", "optim.cosine_steps=15")
+    refused = daemon(*longer)
+    assert refused.returncode == 78 and "optim.cosine_steps" in refused.stderr, refused.stderr[-2000:]
+    assert "--allow-config-change" in refused.stderr
+    allowed = daemon(*longer, "--allow-config-change")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert "changed trajectory-defining settings (optim.cosine_steps)" in allowed.stderr
+    manifest = reader.read_manifest(layout.step_dir(tmp_path / "run" / "checkpoints", 15))
+    assert manifest["run_state"]["trajectory"]["optim"]["cosine_steps"] == 15
+
+
 def test_a_shard_loads_with_mindspores_own_loader(mindspore_cpu, cli, quiet_env, tmp_path, base):
     proc, _ = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "run"}"'), "--until-step", "3")
     assert proc.returncode == 0
