@@ -496,18 +496,20 @@ def _cmd_inject(args: argparse.Namespace) -> int:
 
 
 def _cmd_install_service(args: argparse.Namespace) -> int:
+    import os
     from pathlib import Path
 
     from daemon import service
 
     if args.config:
         _load_config(args.config, [])            # the planner's fit check too, not only the schema's
-    written = service.install(venv=args.venv or service.default_venv(), config=args.config, user=args.user,
-                              dest=Path(args.dest), tmpfiles_dest=Path(args.tmpfiles_dest), etc_dir=Path(args.etc))
+    absolute = lambda p: Path(os.path.abspath(p))     # the units name them: relative paths mean nothing there
+    written = service.install(venv=str(absolute(args.venv or service.default_venv())), config=args.config,
+                              user=args.user, dest=absolute(args.dest), tmpfiles_dest=absolute(args.tmpfiles_dest),
+                              etc_dir=absolute(args.etc))
     for path in written:
         print(f"wrote {path}")
-    print(f"next: useradd --system --home-dir /var/lib/llm-pretrain {args.user}; systemd-tmpfiles --create; "
-          "systemctl daemon-reload; systemctl enable --now llm-pretrain (or llm-pretrain@NAME)")
+    print(f"not done by install-service; to start the service, as root: {service.next_steps(args.user, written)}")
     return ExitCode.OK
 
 

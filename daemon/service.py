@@ -101,6 +101,20 @@ def install(*, venv: str, config: str | None, user: str, dest: Path, tmpfiles_de
     return written
 
 
+def next_steps(user: str, written: list[Path]) -> str:
+    """The commands that start what `install` wrote (it runs none of them): a system user only where
+    `user` does not exist yet."""
+    steps = []
+    try:
+        pwd.getpwnam(user)
+    except KeyError:
+        steps.append(f"useradd --system --home-dir /var/lib/llm-pretrain --shell /usr/sbin/nologin {user}")
+    tmpfiles = [str(p) for p in written if p.name == "llm-pretrain.conf"]
+    steps += [f"systemd-tmpfiles --create {' '.join(tmpfiles)}".rstrip(), "systemctl daemon-reload",
+              "systemctl enable --now llm-pretrain (or llm-pretrain@NAME)"]
+    return "; ".join(steps)
+
+
 def _blocked_for(user: str, path: Path, need: int) -> str | None:
     """Why `user` cannot reach `path` (search every directory above it, then `need` on it: S_IXOTH to
     run, S_IROTH to read), or None. A user not created yet is a new system user: the "other" bits."""

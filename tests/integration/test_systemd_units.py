@@ -150,3 +150,27 @@ def test_a_venv_whose_base_interpreter_the_service_user_cannot_reach_is_refused(
         assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "units").exists()
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+@needs_systemd
+def test_relative_paths_are_written_absolute_and_next_steps_are_printed_not_run(tmp_path, cli, quiet_env,
+                                                                                reachable_venv):
+    """A newcomer staging the units under a relative directory: every path in them is absolute (verify is
+    silent), and the last line says what to run, with no `useradd` for a user that exists."""
+    here = Path(reachable_venv).parent
+    (here / f"{tmp_path.name}.toml").write_text('[run]\nname = "demo"\n')
+    stage = f"sysroot-{tmp_path.name}"
+    done = subprocess.run([*cli, "install-service", "--venv", "venv", "--config", f"{tmp_path.name}.toml",
+                           "--user", "root", "--dest", f"{stage}/units", "--tmpfiles-dest", f"{stage}/tmpfiles",
+                           "--etc", f"{stage}/etc"], env=quiet_env, capture_output=True, text=True, cwd=here)
+    assert done.returncode == 0, done.stderr
+    units = here / stage / "units"
+    for unit in ("llm-pretrain.service", "llm-pretrain@demo.service"):
+        checked = subprocess.run(["systemd-analyze", "verify", str(units / unit)], capture_output=True, text=True)
+        assert (checked.returncode, checked.stderr) == (0, ""), (unit, checked.stderr)
+    text = (units / "llm-pretrain.service").read_text() + (units / "llm-pretrain@.service").read_text()
+    assert f"EnvironmentFile=-{here / stage / 'etc' / 'ascend.env'}" in text
+    assert f"--config {here / f'{tmp_path.name}.toml'}" in text and f"--config {here / stage / 'etc'}/%i.toml" in text
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("not done by install-service") and "useradd" not in last, last
+    assert f"systemd-tmpfiles --create {here / stage / 'tmpfiles' / 'llm-pretrain.conf'}" in last
