@@ -23,6 +23,8 @@ import tomllib
 from contracts import elastic
 from contracts.errors import ConfigError
 
+_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")   # a run's name
+
 
 def _fail(msg: str) -> typing.NoReturn:
     raise ConfigError(msg)
@@ -348,7 +350,7 @@ def run_endpoints(run: "RunConfig") -> list[tuple[str, int]]:
 class RunConfig:
     """Naming and where the run's files live."""
 
-    name: str = "tiny"             # run name: letters, digits, '-', '_', '.'
+    name: str = "tiny"             # letters, digits, '-', '_', '.'; not given, one machine with run.dir: the dir's name
     dir: str = ""                  # run directory; "" = $STATE_DIRECTORY/<name> under systemd, else ./runs/<name>
     log_dir: str = ""              # event and rank logs; "" = $LOGS_DIRECTORY/<name> under systemd, else <dir>/logs
     nodes: int = 1                 # machines in the cluster, one supervisor each
@@ -408,8 +410,7 @@ class RunConfig:
             _fail(f"run.master_addr = {self.master_addr!r} must be a host name or address")
         if any(c.isspace() for c in self.node_addr):
             _fail(f"run.node_addr = {self.node_addr!r} must be a host name or address (or \"\": found)")
-        allowed = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_.")
-        if not self.name or not set(self.name) <= allowed or self.name.startswith("."):
+        if not self.name or not set(self.name) <= _NAME_CHARS or self.name.startswith("."):
             _fail(f"run.name = {self.name!r} is not allowed; use letters, digits, '-', '_' and '.' "
                   "(not starting with '.')")
 
@@ -615,7 +616,21 @@ def config_from_dict(data: dict[str, Any]) -> Config:
     for name in data:
         if name not in SECTIONS:
             _fail(f"unknown section [{name}]; sections are {', '.join(f'[{s}]' for s in SECTIONS)}")
+    run = data.get("run")
+    if (isinstance(run, dict) and "name" not in run and isinstance(run.get("dir"), str) and run["dir"].strip()
+            and run.get("nodes", 1) == 1):      # several machines share the name (their etcd prefix): as given
+        data = {**data, "run": {**run, "name": name_from_dir(run["dir"])}}
     return Config(**{name: _build_section(name, table) for name, table in data.items()})
+
+
+def name_from_dir(directory: str) -> str:
+    """A run of one machine given a directory and no name is named after the directory (its metrics'
+    and events' `run` label, its cgroups), not after the config it came from: run.dir = "/data/exp-7"
+    is run "exp-7". Characters a name cannot hold become '-'. (A run of several machines keeps the
+    name it is given: it is their etcd prefix, the same on every machine whatever its directory.)"""
+    base = os.path.basename(os.path.normpath(os.path.abspath(directory)))
+    name = "".join(c if c in _NAME_CHARS else "-" for c in base).lstrip(".")
+    return name or "run"
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -115,6 +115,7 @@ class Ledger:
     def set_status(self, status: str, text: str = "") -> None:
         self.state.set_status(status)
         self.metrics.update(status=status)
+        self.metrics.flush(force=True)     # a new state is in the textfile at once, not at the next step
         self.save()
         if text:
             self.notify.status(text)

@@ -23,6 +23,7 @@ from daemon.incidents import Kind
 from durable import write_atomically
 
 PREFIX = "llm_pretrain"
+TEXTFILE_EVERY_S = 5.0     # node-exporter reads it on its own schedule: never staler than this
 STATES = ("new", "running", "pausing", "paused", "restarting", "finished", "stopped", "gave_up", "failed")
 
 
@@ -50,6 +51,8 @@ class Metrics:
         self._server: http.server.ThreadingHTTPServer | None = None
         self._textfile: Path | None = None
         self._written_at = 0.0
+        self._flushing = threading.Lock()          # the timer's writes and the daemon's, one at a time
+        self._stop_timer = threading.Event()
         self.textfile_error: str | None = None     # why the last textfile write failed (a full disk)
 
     def update(self, **values) -> None:
@@ -121,17 +124,29 @@ class Metrics:
         threading.Thread(target=self._server.serve_forever, daemon=True, name="metrics").start()
         return self._server.server_address[1]
 
-    def textfile(self, path: Path) -> None:
+    def textfile(self, path: Path, every_s: float = TEXTFILE_EVERY_S) -> None:
+        """Keeps `path` written: on a timer (every `every_s`, whatever the daemon is doing: paused,
+        waiting for a decision, restarting), and at once where the daemon flushes with force."""
         self._textfile = path
         path.parent.mkdir(parents=True, exist_ok=True)
+        self._stop_timer.clear()
+        threading.Thread(target=self._rewrite_every, args=(every_s,), daemon=True, name="metrics-textfile").start()
 
-    def flush(self, every_s: float = 5.0, force: bool = False) -> None:
+    def _rewrite_every(self, every_s: float) -> None:
+        while not self._stop_timer.wait(every_s):
+            self.flush(every_s, timer=True)
+
+    def flush(self, every_s: float = 5.0, force: bool = False, timer: bool = False) -> None:
         """Rewrites the textfile (atomically) at most every `every_s`. A disk that refuses it (full,
         read-only) costs the textfile's freshness, never the daemon: the next flush tries again."""
         if self._textfile is None:
             return
-        now = time.monotonic()
-        if force or now - self._written_at >= every_s:
+        with self._flushing:
+            if timer and self._stop_timer.is_set():         # closed: the last write was close()'s
+                return
+            now = time.monotonic()
+            if not force and now - self._written_at < every_s:
+                return
             self._written_at = now
             try:
                 write_atomically(self._textfile, self.render())
@@ -172,6 +187,7 @@ class Metrics:
                                    f"{e.strerror or e}") from e
 
     def close(self) -> None:
+        self._stop_timer.set()
         self.flush(force=True)
         if self._server is not None:
             self._server.shutdown()

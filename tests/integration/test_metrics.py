@@ -14,7 +14,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _value(text: str, name: str, labels: str = 'run="tiny"') -> float:
+def _value(text: str, name: str, labels: str = 'run="run"') -> float:
     m = re.search(rf"^llm_pretrain_{name}\{{{re.escape(labels)}\}} (\S+)$", text, re.M)
     assert m, f"{name}{{{labels}}} missing from:\n{text}"
     return float(m.group(1))
@@ -44,18 +44,18 @@ def test_metrics_are_served_while_running_and_left_in_the_textfile(tmp_path):
     assert scraped is not None, "never scraped generation 2 past step 30"
     assert content_type.startswith("text/plain; version=0.0.4")
     assert _value(scraped, "restarts_total") == 1
-    assert _value(scraped, "incidents_total", 'run="tiny",kind="crash"') == 1
+    assert _value(scraped, "incidents_total", 'run="run",kind="crash"') == 1
     assert _value(scraped, "loss") > 0 and _value(scraped, "tokens_per_second") > 0
     assert started <= _value(scraped, "last_checkpoint_timestamp_seconds") <= scraped_at    # a commit of this run
     assert _value(scraped, "tokens_total") > 0 and _value(scraped, "up") == 1
-    assert _value(scraped, "state", 'run="tiny",state="running"') == 1
-    assert _value(scraped, "state", 'run="tiny",state="paused"') == 0
-    assert _value(scraped, "incidents_total", 'run="tiny",kind="loss_spike"') == 0      # every kind, from the start
-    assert re.search(r'^llm_pretrain_info\{run="tiny",config_hash="[0-9a-f]{16}",version="[^"]+"\} 1$', scraped, re.M)
+    assert _value(scraped, "state", 'run="run",state="running"') == 1
+    assert _value(scraped, "state", 'run="run",state="paused"') == 0
+    assert _value(scraped, "incidents_total", 'run="run",kind="loss_spike"') == 0      # every kind, from the start
+    assert re.search(r'^llm_pretrain_info\{run="run",config_hash="[0-9a-f]{16}",version="[^"]+"\} 1$', scraped, re.M)
     final = textfile.read_text()
     assert _value(final, "step") == 120 and "# TYPE llm_pretrain_restarts_total counter" in final
     assert _value(final, "up") == 0 and _value(final, "exit_code") == 0                  # the daemon's exit, marked
-    assert _value(final, "state", 'run="tiny",state="finished"') == 1
+    assert _value(final, "state", 'run="run",state="finished"') == 1
 
 
 def test_a_busy_metrics_port_is_a_config_error(tmp_path):

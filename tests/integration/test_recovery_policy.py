@@ -115,7 +115,7 @@ def test_out_of_memory_is_told_from_a_crash_and_answered_with_smaller_batches(tm
     assert RunState.load(run).config_changes == {"train.recompute": True, "train.micro_batch": 4,
                                                  "train.grad_accum_steps": 2}
     cgroup_root = memcg.locate()[1]
-    assert not (cgroup_root / "llm-pretrain-tiny").exists(), "the daemon left its cgroups behind"
+    assert not (cgroup_root / "llm-pretrain-run").exists(), "the daemon left its cgroups behind"
 
 
 @needs_memcg

@@ -211,3 +211,30 @@ def test_min_nodes_below_nodes_is_refused_up_front_when_a_smaller_cluster_cannot
         load_config(None, [*multi, "train.global_batch=9", "train.micro_batch=3", "run.min_nodes=2"])
     assert "run.min_nodes = 2" in str(e.value) and "2 of run.nodes = 3" in str(e.value)
     load_config(None, [*multi, "train.global_batch=9", "train.micro_batch=3"])     # no shrinking: no constraint
+
+
+@pytest.mark.parametrize("sets,name", [
+    ([], "tiny"),
+    (['run.dir="/data/exp-7"'], "exp-7"),
+    (['run.dir="/data/exp 7/"'], "exp-7"),
+    (['run.dir="/data/.hidden"'], "hidden"),
+    (['run.dir="/data/exp-7"', 'run.name="mine"'], "mine"),
+])
+def test_a_run_given_a_directory_and_no_name_is_named_after_the_directory(sets, name):
+    """Its metrics and events are labelled with it: not "tiny" whatever the directory."""
+    assert load_config(None, sets).run.name == name
+    assert load_config(ROOT / "configs" / "tiny.toml", sets).run.name == name
+
+
+def test_a_derived_name_is_written_out_and_read_back_unchanged(tmp_path):
+    from contracts.config import to_toml
+
+    cfg = load_config(None, ['run.dir="/data/exp-7"'])
+    (tmp_path / "resolved.toml").write_text(to_toml(cfg, []))
+    again = load_config(tmp_path / "resolved.toml", ['run.dir="/elsewhere/copy"'])
+    assert again.run.name == "exp-7"                   # a resolved config names it: the name stays
+
+
+def test_a_run_of_several_machines_keeps_the_name_it_is_given_whatever_each_ones_directory():
+    multi = ["run.nodes=2", "parallel.dp=2", "train.micro_batch=4", "run.master_port=29500", 'run.coordinator="etcd://h:2379"']
+    assert load_config(None, [*multi, 'run.dir="/data/exp-7"']).run.name == "tiny"
