@@ -134,8 +134,13 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
         path = layout.step_dir(run_dir / "checkpoints", steps[-1])
         last_ckpt = {"step": steps[-1], "age_s": round(now - path.stat().st_mtime, 1)}
     incident = state.incidents[-1] if state.incidents else None
+    step = p.get("step")
+    if last_ckpt and (step is None or last_ckpt["step"] > step):
+        step = last_ckpt["step"]        # a committed checkpoint was trained to: never shown behind it
+    # the run's time: to now while its daemon runs, else to the daemon's last word (it does not count on)
+    until = now if alive else max(state.updated_unix_s, state.started_unix_s)
     return {"run_dir": str(run_dir), "status": status, "daemon_pid": state.daemon_pid if alive else None,
-            "step": p.get("step"), "total_steps": state.total_steps or None, "loss": p.get("loss"),
+            "step": step, "total_steps": state.total_steps or None, "loss": p.get("loss"),
             "tokens_per_s": p.get("tokens_per_s"), "eta_s": eta_s,
             "progress_age_s": round(now - p["unix_s"], 1) if p.get("unix_s") else None,
             "generation": state.generation, "restarts": state.restarts,
@@ -152,7 +157,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
             "checkpoints_failing_since_step": state.checkpoints_failing_since,
             "recovery": state.recovery.to_dict() if state.recovery else None,
             "in_force": _in_force(state),
-            "elapsed_s": round(now - state.started_unix_s, 1) if state.started_unix_s else None,
+            "elapsed_s": round(until - state.started_unix_s, 1) if state.started_unix_s else None,
             "mean_step_s": p.get("mean_step_s"),
             "unsupervised_pids": [] if alive else _unsupervised(state)}
 

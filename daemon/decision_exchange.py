@@ -49,6 +49,7 @@ class DecisionExchange:
                     self._forget_before(number)
                     return decision
                 # deposed before it was published: the new decider's decision is the one that stands
+            ledger.set_status("restarting")          # its generation ended; the decision is the decider's
             published = self.m.wait_for(lambda: self.coord.decision(number), ledger, stopping, "waiting_for_decision",
                                         lambda: {"generation": number, "incident": incident.kind.value},
                                         follower=True)

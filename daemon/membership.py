@@ -203,6 +203,8 @@ class Membership:
             got = ready()
             if got:
                 return got
+            if said is None:                         # `status` says what this node waits for
+                ledger.set_waiting(f"{note.replace('_', ' ')} ({', '.join(f'{k} {v}' for k, v in fields().items())})")
             if self.ended_run() is not None:
                 return None
             now = self.clock()

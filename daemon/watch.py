@@ -208,6 +208,7 @@ class Watch:
         self.stragglers = StragglerDetector(cfg.health, self.ranks)
         self.pause = Pause.RUNNING
         self.paused_at = 0.0
+        self._paused_elsewhere = False        # its ranks hold on another daemon's word (several machines)
         self.last_step = 0
         self.last_step_at = now               # when the watched rank last completed a step (or the start)
         self._committed_step = 0
@@ -253,6 +254,8 @@ class Watch:
                 self._maybe_paused(ev.step, now)
         elif isinstance(ev, StepEvent):
             p.phase, p.step = "train", ev.step
+            if self._paused_elsewhere and self.pause is Pause.PAUSED:
+                self._resumed_elsewhere(ev.step)
             compiled = ev.rank not in self._first_step_seen   # a generation's first step compiles: not a step time
             if not compiled:
                 self.step_times.add(ev.step_s)
@@ -278,12 +281,24 @@ class Watch:
                                   evidence=evidence)
 
     def _maybe_paused(self, step: int, now: float) -> None:
-        if self.pause is Pause.PAUSING and all(q.phase == "paused" for q in self.progress.values()):
+        if not all(q.phase == "paused" for q in self.progress.values()):
+            return
+        by = {}
+        if self.pause is Pause.RUNNING:      # not asked here: the decider of a run of several machines paused them
+            self._move(Pause.PAUSING)
+            self._paused_elsewhere, by = True, {"by": "the decider"}
+        if self.pause is Pause.PAUSING:
             self._move(Pause.PAUSED)
             self.paused_at = now
             self._do(Status("paused", f"paused at step {step}"),
                      Note("paused", fields={"step": step, "rank_steps": {r: q.step for r, q in self.progress.items()},
-                                            "release_after_s": self.cfg.run.pause_release_after_s}))
+                                            "release_after_s": self.cfg.run.pause_release_after_s, **by}))
+
+    def _resumed_elsewhere(self, step: int) -> None:
+        """Ranks paused by the decider step again: it resumed them."""
+        self._move(Pause.RUNNING)
+        self._paused_elsewhere = False
+        self._do(Status("running", f"resumed at step {step}"), Note("resumed", fields={"step": step, "by": "the decider"}))
 
     def _observe(self, ev: StepEvent, now: float, compiled: bool = False) -> None:
         self.last_step, self.last_step_at = ev.step, now

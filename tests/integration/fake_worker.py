@@ -1,7 +1,8 @@
 """A stdlib-only stand-in for `llm-pretrain train`, for the supervisor's integration tests.
 
 Speaks the real protocol (contracts.protocol): phase, step, checkpoint and exit
-events as datagrams; the commands file; SIGTERM; faulthandler on SIGUSR1. Its
+events as datagrams; the commands file (pause holds until resume, release or stop);
+SIGTERM; faulthandler on SIGUSR1. Its
 "checkpoints" are directories `step-N/` under <run-dir>/checkpoints, from
 which it resumes. Faults on cue, in chosen generations:
 
@@ -50,6 +51,18 @@ from contracts.protocol import (
     await_activation,
     send_datagram,
 )
+
+
+def _new_commands(path: str | None, seen: int) -> tuple[int, list[str]]:
+    """The commands after seq `seen`: (the newest seq, their names)."""
+    names = []
+    if path and os.path.exists(path):
+        for line in Path(path).read_text().splitlines():
+            cmd = Command.from_json(line)
+            if cmd.seq > seen:
+                seen = cmd.seq
+                names.append(cmd.name)
+    return seen, names
 
 
 def _rank() -> int:
@@ -166,13 +179,15 @@ def main() -> int:
         emit(StepEvent(rank=rank, generation=generation, step=step, loss=loss, grad_norm=1.0, loss_scale=1.0,
                        lr=1e-3 * multiplier, lr_multiplier=multiplier, skipped=False, sample_start=start,
                        sample_end=end, tokens=512, step_s=a.step_s, data_wait_s=0.0, tokens_per_s=512 / a.step_s))
-        names = []
-        if commands_path and os.path.exists(commands_path):
-            for line in Path(commands_path).read_text().splitlines():
-                cmd = Command.from_json(line)
-                if cmd.seq > seen:
-                    seen = cmd.seq
-                    names.append(cmd.name)
+        seen, names = _new_commands(commands_path, seen)
+        if "pause" in names:             # hold (as the engine does) until resumed, released or stopped
+            emit(PhaseEvent(rank=rank, generation=generation, phase="paused", step=step))
+            while not ({"resume", "release", "stop"} & set(names)) and not stop["requested"]:
+                time.sleep(0.02)
+                seen, names = _new_commands(commands_path, seen)
+            if "release" in names:
+                reason = "released"
+                break
         if step % a.interval == 0 or step == a.steps or "checkpoint" in names or "stop" in names \
                 or stop["requested"]:
             save()

@@ -72,6 +72,34 @@ def test_a_crash_on_node_1_ends_the_generation_on_both_and_one_decision_restarts
         assert (tmp_path / "run" / "logs" / f"node-{i}" / "events.jsonl").exists()
 
 
+def test_a_node_that_waits_says_what_for_in_status_until_its_ranks_run(tmp_path, etcd):
+    """Node 1 started alone: its state (and `status`'s row for it) names what it waits for — the nodes
+    missing once it decides — not an earlier wait's words; running again, it waits for nothing."""
+    from daemon.state import RunState
+
+    run = tmp_path / "run"
+    node1 = _node(1, run, etcd.url, fake=["--steps", "30"])
+    try:
+        node_dir = run / "nodes" / "node-1"
+        _wait(lambda: "missing [0]" in _waiting(node_dir), 60, "node 1 to say it waits for node 0")
+        assert _waiting(node_dir).startswith("waiting for nodes"), _waiting(node_dir)
+        node0 = _node(0, run, etcd.url, fake=["--steps", "30"])
+        (code0, _, err0), (code1, _, err1) = _finish(node0), _finish(node1)
+    finally:
+        node1.kill()
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
+    assert RunState.load(node_dir).waiting == ""
+
+
+def _waiting(node_dir) -> str:
+    from daemon.state import RunState, StateCorruptError
+
+    try:
+        return RunState.load(node_dir).waiting
+    except (StateCorruptError, OSError):
+        return ""
+
+
 def test_a_loss_spike_is_decided_once_by_node_0_and_applied_identically_by_node_1(tmp_path, etcd):
     (code0, ev0, err0), (code1, ev1, err1) = _both(tmp_path / "run", etcd, *QUICK_HEALTH, fake=[
         "--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"])
@@ -107,6 +135,33 @@ def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd, cli):
     assert _named(ev0, "daemon_exit")[0]["reason"] == _named(ev1, "daemon_exit")[0]["reason"] == "stopped"
     assert [e["args"] for e in _named(ev0, "command_sent") if e["name"] == "stop"]           # node 0 wrote it
     assert not _named(ev1, "command_sent")                                                   # node 1 never does
+
+
+def test_a_pause_holds_every_node_and_the_follower_says_so_as_the_decider_does(tmp_path, etcd):
+    """The decider writes the ranks' pause for all; node 1's daemon never sees the request, but says
+    `paused` (by the decider) when its ranks hold and `resumed` when they step again; status follows."""
+    from daemon.state import RunState
+
+    run = tmp_path / "run"
+    procs = [_node(i, run, etcd.url, fake=["--steps", "100000", "--interval", "5"]) for i in (0, 1)]
+    try:
+        control = run / "nodes" / "node-0" / "control"
+        _wait(lambda: control.is_dir() and all(_node_events(run, i, "progress") or _node_events(run, i, "first_step")
+                                               for i in (0, 1)), 60, "both nodes training")
+        (control / "pause").write_text("{}")
+        _wait(lambda: all(_node_events(run, i, "paused") for i in (0, 1)), 60, "both nodes to say paused")
+        assert _node_events(run, 1, "paused")[0]["by"] == "the decider"
+        assert "by" not in _node_events(run, 0, "paused")[0]                   # asked there
+        assert RunState.load(run / "nodes" / "node-1").status == "paused"
+        (control / "resume").write_text("{}")
+        _wait(lambda: _node_events(run, 1, "resumed"), 60, "node 1 to say resumed")
+        _wait(lambda: RunState.load(run / "nodes" / "node-1").status == "running", 30, "node 1 running")
+        (control / "stop").write_text("{}")
+        (code0, _, err0), (code1, _, err1) = [_finish(p, 60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
 
 
 def test_node_1_s_daemon_killed_and_restarted_rejoins_and_the_run_finishes(tmp_path, etcd):

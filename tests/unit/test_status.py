@@ -89,3 +89,20 @@ def test_a_multi_node_run_shows_node_0_s_view_and_every_node_without_etcd_saying
     text = render(s)
     assert f"node 1           running, generation 3, step 398; {waiting}" in text
     assert "etcd unreachable (node liveness unknown)" in text
+
+
+def test_elapsed_stops_when_the_run_ends(tmp_path):
+    """A run that ended (its daemon gone) does not age: elapsed is to its daemon's last word."""
+    _state(tmp_path, status="finished", daemon_pid=DEAD_PID, updated_unix_s=4700.0)
+    assert summary(tmp_path, now=4601.0 + 20 * 60)["elapsed_s"] == 3700.0
+    assert "elapsed          1h01m" in render(summary(tmp_path, now=99999.0))
+
+
+def test_the_step_shown_is_never_behind_the_last_committed_checkpoint(tmp_path):
+    """The last progress kept may predate the last save (state.json is written every 10 s): a committed
+    checkpoint proves its step was trained."""
+    _state(tmp_path)                                     # last progress: step 400
+    (tmp_path / "checkpoints" / "step-00000420").mkdir(parents=True)
+    s = summary(tmp_path, now=4601.0)
+    assert s["step"] == 420 and s["last_checkpoint"]["step"] == 420
+    assert "step             420 / 1000" in render(s)

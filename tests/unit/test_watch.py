@@ -165,6 +165,29 @@ def test_pause_then_resume_at_an_agreed_step():
     assert kinds(w.drain(), Note)[0].fields["detail"] == "not paused"
 
 
+def test_ranks_paused_and_resumed_by_another_machines_decider_are_said_to_be_so():
+    """A follower's daemon never sees the request (the decider writes the ranks' commands for all):
+    its ranks holding is its pause, their next step its resume, each said once, with who did it."""
+    w = make()
+    steps(w, 1, 10, 0.0)
+    phase(w, 0, "paused", 1.5, 11)
+    assert w.pause is Pause.RUNNING                          # one rank holding is not yet a pause
+    phase(w, 1, "paused", 1.6, 11)
+    assert w.pause is Pause.PAUSED
+    effects = w.drain()
+    assert Status("paused", "paused at step 11") in effects
+    (note,) = kinds(effects, Note)
+    assert note.event == "paused" and note.fields["by"] == "the decider" and note.fields["rank_steps"] == {0: 11, 1: 11}
+    assert w.tick(30.0) is None                              # held ranks never hang
+    w.on_event(step_event(step=12, loss=2.0, rank=0), 40.0)
+    assert w.pause is Pause.RUNNING
+    effects = w.drain()
+    assert Status("running", "resumed at step 12") in effects
+    assert [(n.event, n.fields["by"]) for n in kinds(effects, Note)] == [("resumed", "the decider")]
+    w.on_event(step_event(step=12, loss=2.0, rank=1), 40.1)
+    assert not kinds(w.drain(), Note)                        # said once
+
+
 def test_paused_too_long_the_ranks_are_released_and_a_resume_between_generations_restarts():
     w = make()
     w.on_control(Request("pause", {}, "pause"), 1.0)
