@@ -263,7 +263,7 @@ class HealthConfig:
     straggler_min_lag_s: float = 0.05    # a straggler's median lag is at least this ...
     straggler_min_rel: float = 0.2       # ... and this fraction of the median step period
     max_quarantined_fraction: float = 0.05  # corrupt corpus blocks are quarantined up to this fraction; beyond: exit 65
-    restart_backoff_initial_s: float = 1.0  # first restart delay; doubles per consecutive failure, with jitter
+    restart_backoff_initial_s: float = 1.0  # delay of a restart that repeats without progress; doubles, jittered
     restart_backoff_max_s: float = 60.0     # cap on the restart delay
 
     def __post_init__(self) -> None:
