@@ -216,20 +216,31 @@ def _load_config(path, overrides):
     return plan.check_fits(cfg)
 
 
-def _check_data(cfg) -> None:
-    """A prepared corpus at data.path (its manifest and shard sizes; content is checked as it is read):
-    found here, not inside a rank after the cluster formed."""
+def _check_inputs(cfg) -> None:
+    """What a rank would refuse, found here rather than inside a rank after the cluster formed: a
+    prepared corpus at data.path (its manifest and shard sizes; content is checked as it is read)
+    whose vocabulary the model embeds, and a model.init_from whose config.json matches model.*
+    (read only while the run has no checkpoint, as the ranks read it)."""
     if cfg.data.source == "prepared" and cfg.data.path:
         from engine.data.corpus import Corpus
+        from engine.data.order import check_vocabulary
 
-        Corpus(cfg.data.path, verify_checksums=False)
+        check_vocabulary(Corpus(cfg.data.path, verify_checksums=False), cfg)
+    if cfg.model.init_from:
+        from pathlib import Path
+
+        from engine.interop import hf
+        from engine.rank.resume_check import newest_run_state
+
+        if newest_run_state(cfg.run.resolved_dir() / "checkpoints") is None:
+            hf.check_init_from(Path(cfg.model.init_from.removeprefix("hf:")), cfg.model)
 
 
 def _cmd_config(args: argparse.Namespace) -> int:
     from contracts.config import to_toml
 
     cfg = _load_config(args.config, args.overrides)
-    _check_data(cfg)
+    _check_inputs(cfg)
     if args.json:
         print(json.dumps({"config": cfg.to_dict(), "config_hash": config_hash(cfg)}, indent=2))
     else:
@@ -314,7 +325,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from daemon.supervisor import Supervisor
 
     cfg = _resumable(_load_config(args.config, args.overrides), allow_config_change=args.allow_config_change)
-    _check_data(cfg)
+    _check_inputs(cfg)
     # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`), not
     # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
     # Allowed a config change, they are for this daemon's life: a rollback may go back to a checkpoint

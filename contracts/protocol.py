@@ -37,6 +37,10 @@ CLI_ONLY_EXIT_CODES = (ExitCode.SOAK_FAILED, ExitCode.NO_DAEMON, ExitCode.CANT_C
 FINAL_EXIT_CODES = tuple(c for c in ExitCode if c not in (ExitCode.INTERNAL_ERROR, ExitCode.TEMP_FAIL)
                          and c not in CLI_ONLY_EXIT_CODES)
 
+# A rank that exits with one of these refused to run (usage, data, config): restarting cannot help, and
+# its last `llm-pretrain: …` line says why.
+FINAL_WORKER_CODES = frozenset({ExitCode.USAGE, ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR})
+
 # Events a worker must not lose (all but the per-step ones) wait this long for room on a full socket.
 DELIVER_WAIT_S = 5.0
 DATAGRAM_RETRY_S = 0.005

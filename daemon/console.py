@@ -20,14 +20,14 @@ _RESET = "\x1b[0m"
 FOLD = 100          # characters of a long value shown before "…"
 
 
-def _value(v: Any) -> str:
+def _value(v: Any, fold: bool = True) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
     if isinstance(v, str):
         text = v
     else:
         text = json.dumps(_rounded(v), separators=(",", ":"))
-    return text if len(text) <= FOLD else text[:FOLD] + "…"
+    return text if len(text) <= FOLD or not fold else text[:FOLD] + "…"
 
 
 def _rounded(v: Any) -> Any:
@@ -72,7 +72,9 @@ def human(record: dict[str, Any], *, colour: bool = False, full_time: bool = Fal
     if event == "progress":
         rest = _progress(record)
     else:
-        rest = " ".join(f"{k}={_value(v)}" for k, v in record.items() if k not in _COMMON and v not in (None, ""))
+        # the daemon's last line says in full why it ended (a rank's refusal, say)
+        rest = " ".join(f"{k}={_value(v, fold=event != 'daemon_exit' or k != 'detail')}" for k, v in record.items()
+                        if k not in _COMMON and v not in (None, ""))
     line = f"{when} {level.upper():<7} g{record.get('generation', '')} {event:<18} {rest}".rstrip()
     if colour and level in _COLOURS:
         return f"{_COLOURS[level]}{line}{_RESET}"

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
 from contracts.config import Config
-from contracts.protocol import MAX_SOCKET_PATH_BYTES, decode_event
-from daemon import device_oom, memcg, mindspore_env
+from contracts.protocol import FINAL_WORKER_CODES, MAX_SOCKET_PATH_BYTES, decode_event
+from daemon import memcg, mindspore_env, rank_log
 
 STACK_DUMP_WAIT_S = 1.0     # for faulthandler in each rank to write its stacks
 
@@ -212,6 +212,7 @@ class RankExit:
     oom_kills: int = 0
     peak_bytes: int = 0
     device_oom_line: str | None = None
+    refusal: str | None = None            # its one-line reason, for a usage, data or config error
 
 
 class Generation:
@@ -306,7 +307,9 @@ class Generation:
             self._reported.add(w.rank)
             out.append(RankExit(w.rank, code, oom_kills=w.group.oom_kills() if w.group else 0,
                                 peak_bytes=(w.group.peak_bytes() or 0) if w.group else 0,
-                                device_oom_line=device_oom.oom_line(w.log_path, w.log_start) if code > 0 else None))
+                                device_oom_line=rank_log.oom_line(w.log_path, w.log_start) if code > 0 else None,
+                                refusal=rank_log.refusal_line(w.log_path, w.log_start)
+                                if code in FINAL_WORKER_CODES else None))
         return out
 
     def dump_stacks(self, ranks: Sequence[int]) -> None:

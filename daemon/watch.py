@@ -21,7 +21,8 @@ import signal
 from typing import Any, Mapping, Sequence
 
 from contracts.config import Config
-from contracts.protocol import CheckpointEvent, DataFaultEvent, ExitCode, ExitEvent, PhaseEvent, StepEvent
+from contracts.protocol import (FINAL_WORKER_CODES, CheckpointEvent, DataFaultEvent, ExitEvent, PhaseEvent,
+                                StepEvent)
 from daemon import hang
 from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
@@ -31,7 +32,6 @@ from daemon.straggler import StragglerDetector
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
 PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often
 # Exit codes after which restarting a worker cannot help: pass them on.
-FINAL_WORKER_CODES = frozenset({ExitCode.USAGE, ExitCode.DATA_ERROR, ExitCode.CONFIG_ERROR})
 
 
 # The incidents each fault drill is expected to cause (a drill's incident is labelled as such).
@@ -194,6 +194,7 @@ class _Exit:
     oom_kills: int = 0
     peak_bytes: int = 0
     device_oom_line: str | None = None
+    refusal: str | None = None
 
 
 class Watch:
@@ -361,10 +362,11 @@ class Watch:
             self._do(Note(f"checkpoint_{ev.stage}", "error", {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
 
     def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,
-                device_oom_line: str | None = None) -> None:
+                device_oom_line: str | None = None, refusal: str | None = None) -> None:
         """Rank `rank`'s process ended with `code` (negative: killed by that signal); `oom_kills` and
-        `peak_bytes` from its memory cgroup, `device_oom_line` the allocator's error in its log."""
-        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line))
+        `peak_bytes` from its memory cgroup, `device_oom_line` the allocator's error in its log,
+        `refusal` its own one-line reason for a usage, data or config error."""
+        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line, refusal))
 
     def on_control(self, request: Request, now: float) -> None:
         """A request from the control directory while ranks run (already logged by the supervisor)."""
@@ -452,7 +454,8 @@ class Watch:
         cause = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
         log = self.log_paths.get(rank, "")
         if code in FINAL_WORKER_CODES:
-            return WorkerFailed(code, rank, f"rank {rank} ended with {cause}; see {log}")
+            said = f": {ended.refusal}" if ended.refusal else ""
+            return WorkerFailed(code, rank, f"rank {rank} ended with {cause}{said} (see {log})")
         step = self.progress[rank].step
         oom = _oom_evidence(ended, self.cfg.run.worker_memory_limit_bytes)
         if oom is not None:

@@ -259,7 +259,13 @@ def open_source(cfg: Config) -> CorpusSource | SyntheticSource:
 
         path = ensure_default_corpus()
     corpus = Corpus(path, verify_checksums=d.verify_checksums)
+    check_vocabulary(corpus, cfg)
+    return CorpusSource(corpus, seq_len=d.seq_len, seed=d.seed)
+
+
+def check_vocabulary(corpus: Corpus, cfg: Config) -> None:
+    """The model can embed every token of the corpus (checked by `config` and the daemon before any
+    rank starts, and by each rank)."""
     if corpus.vocab_size > cfg.model.vocab_size:
         raise DataError(f"corpus {str(corpus.path)!r} has a vocabulary of {corpus.vocab_size} tokens but "
                         f"model.vocab_size = {cfg.model.vocab_size}; raise model.vocab_size to at least that")
-    return CorpusSource(corpus, seq_len=d.seq_len, seed=d.seed)

@@ -333,21 +333,33 @@ def save(out: Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], *,
     return {"tensors": len(tensors), "parameters": int(sum(v.size for v in tensors.values())), "config": config}
 
 
-def load_for_init(directory: Path, m: ModelConfig) -> dict[str, np.ndarray]:
-    """A Hugging Face LLaMA directory's weights, checked against model.* (ConfigError naming every
-    mismatch), by this model's parameter names."""
+def check_init_from(directory: Path, m: ModelConfig) -> list[Path]:
+    """A Hugging Face LLaMA directory that model.* can start from (its config.json against the model,
+    ConfigError naming every mismatch; no tensor read): its safetensors files. Checked by `config` and
+    the daemon before any rank starts, and by the rank that loads it."""
     config_path = directory / "config.json"
     if not config_path.exists():
         raise ConfigError(f"model.init_from: {config_path} does not exist (expected a Hugging Face model directory)")
-    config = json.loads(config_path.read_text())
-    if config.get("model_type") != "llama":
-        raise ConfigError(f"model.init_from: {directory} holds a {config.get('model_type')!r} model, not 'llama'")
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ConfigError(f"model.init_from: {config_path} cannot be read as JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("model_type") != "llama":
+        kind = config.get("model_type") if isinstance(config, dict) else None
+        raise ConfigError(f"model.init_from: {directory} holds a {kind!r} model, not 'llama'")
     mismatched = init_mismatches(config, m)
     if mismatched:
         raise ConfigError(f"model.init_from: {directory} does not match the config: {'; '.join(mismatched)}")
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.init_from: no .safetensors files in {directory} (pickled .bin files are not read)")
+    return files
+
+
+def load_for_init(directory: Path, m: ModelConfig) -> dict[str, np.ndarray]:
+    """A Hugging Face LLaMA directory's weights, checked against model.* (ConfigError naming every
+    mismatch), by this model's parameter names."""
+    files = check_init_from(directory, m)
     tensors: dict[str, np.ndarray] = {}
     for f in files:
         tensors.update(read_safetensors(f))

@@ -1,4 +1,5 @@
 """Bad input reaches the user as one line and a documented exit code, before MindSpore is loaded."""
+import json
 import subprocess
 import sys
 
@@ -207,3 +208,35 @@ def test_prepare_data_says_what_is_wrong_with_an_input_or_a_tokenizer(tmp_path, 
                           text=True, env=quiet_env, timeout=120)
     assert proc.returncode == 65 and message in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "corpus").exists()
+
+
+def test_a_corpus_the_model_cannot_embed_is_refused_by_config_and_run_before_any_rank(tmp_path, cli, quiet_env):
+    (tmp_path / "in.txt").write_text("some text to tokenize, byte by byte\n" * 50)
+    prep = subprocess.run([*cli, "prepare-data", "--input", str(tmp_path / "in.txt"), "--output",
+                           str(tmp_path / "corpus")], capture_output=True, text=True, env=quiet_env, timeout=120)
+    assert prep.returncode == 0, prep.stderr
+    sets = ["--set", f'data.path="{tmp_path / "corpus"}"', "--set", "model.vocab_size=128",
+            "--set", f'run.dir="{tmp_path / "run"}"']
+    for command in ("config", "run"):
+        proc = subprocess.run([*cli, command, *sets], capture_output=True, text=True, env=quiet_env, timeout=120)
+        assert proc.returncode == 65, (command, proc.stderr)
+        assert "has a vocabulary of 257 tokens but model.vocab_size = 128" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "logs").exists()                     # no rank was started
+
+
+def test_an_init_from_whose_config_differs_is_refused_by_config_and_run_before_any_rank(tmp_path, cli, quiet_env):
+    from contracts.config import load_config
+    from engine.interop.hf import hf_config
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    config = hf_config(load_config(None, []).model)
+    (hf / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0, "rms_norm_eps": 1e-3}))
+    sets = ["--set", f'model.init_from="hf:{hf}"', "--set", f'run.dir="{tmp_path / "run"}"']
+    for command in ("config", "run"):
+        proc = subprocess.run([*cli, command, *sets], capture_output=True, text=True, env=quiet_env, timeout=120)
+        assert proc.returncode == 78, (command, proc.stderr)
+        assert "does not match the config" in proc.stderr and "rope_theta" in proc.stderr and "rms_norm_eps" in \
+            proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "logs").exists()

@@ -306,13 +306,21 @@ def test_an_orphan_that_exited_unreaped_is_not_waited_for():
 def test_a_worker_config_error_is_passed_on_not_retried(tmp_path):
     run = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    refuse = ("import sys; print('loading'); print('llm-pretrain: config error: model.init_from: x does not match "
+              "the config: rope_theta', file=sys.stderr); sys.exit(78)")
     code = subprocess.run([sys.executable, "-c", (
         "import sys; from daemon.supervisor import Supervisor; from contracts.config import load_config; "
         f"cfg = load_config(None, ['run.dir=\"{run}\"']); "
-        "sys.exit(Supervisor(cfg, worker_cmd=[sys.executable, '-c', 'import sys; sys.exit(78)'], "
+        f"sys.exit(Supervisor(cfg, worker_cmd=[sys.executable, '-c', {refuse!r}], "
         "scheduler_cmd=None).run())")], env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert code.returncode == 78, code.stderr
-    assert '"worker_error"' in code.stdout
+    events = [json.loads(line) for line in code.stdout.splitlines() if line.startswith("{")]
+    assert not [e for e in events if e["event"] == "restart"]
+    last = events[-1]
+    assert last["event"] == "daemon_exit" and last["code"] == 78 and last["reason"] == "worker_error"
+    # the rank's own reason, not only "see its log"
+    assert "rank 0 ended with exit code 78: config error: model.init_from: x does not match the config: rope_theta" \
+        in last["detail"] and "rank-0.log" in last["detail"]
 
 
 def test_the_resume_step_reported_is_one_the_ranks_can_load(tmp_path):

@@ -82,3 +82,11 @@ def test_json_is_kept_on_a_terminal_when_asked_and_people_get_lines_by_default(m
     finally:
         os.close(leader)
         os.close(follower)
+
+
+def test_the_daemons_last_line_gives_its_reason_in_full():
+    reason = "rank 0 ended with exit code 78: config error: " + "x" * 200 + " (see runs/tiny/logs/rank-0.log)"
+    line = human({"ts": "2026-11-30T21:30:05.123Z", "level": "error", "event": "daemon_exit", "code": 78,
+                  "reason": "worker_error", "detail": reason})
+    assert reason in line
+    assert "…" in human({"ts": "2026-11-30T21:30:05.123Z", "level": "info", "event": "incident", "detail": reason})

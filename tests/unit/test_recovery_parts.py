@@ -197,7 +197,7 @@ def test_incident_events_are_strict_json_even_with_non_finite_evidence(tmp_path)
 
 
 def test_a_device_oom_is_read_from_this_process_s_part_of_the_log_only(tmp_path):
-    from daemon.device_oom import oom_line
+    from daemon.rank_log import oom_line
 
     log = tmp_path / "rank-0.log"
     log.write_text("generation 1\n[ERROR] Device(id:0) memory isn't enough and alloc failed, alloc size: 4096\n")
@@ -206,6 +206,22 @@ def test_a_device_oom_is_read_from_this_process_s_part_of_the_log_only(tmp_path)
     with open(log, "a") as f:
         f.write("generation 2\nRuntimeError: Parameter[2] has no default param\n")
     assert oom_line(log, start) is None
+
+
+def test_a_ranks_refusal_is_its_last_own_line_in_this_process_s_part_of_the_log(tmp_path):
+    from daemon.rank_log import refusal_line
+
+    log = tmp_path / "rank-0.log"
+    log.write_text("generation 1\nllm-pretrain: config error: an older generation's reason\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("generation 2\nllm-pretrain: initialized 12 parameters from hf:/m\n[WARNING] noise\n"
+                "llm-pretrain: data error: corpus '/c' has a vocabulary of 257 tokens but model.vocab_size = 128\n"
+                "[INFO] teardown\n")
+    assert refusal_line(log, start) == "data error: corpus '/c' has a vocabulary of 257 tokens but model.vocab_size = 128"
+    assert refusal_line(tmp_path / "absent.log") is None
+    log.write_text("no reason given\n")
+    assert refusal_line(log) is None
 
 
 def test_the_control_directory_watcher_flags_a_new_request(tmp_path):

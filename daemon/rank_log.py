@@ -1,0 +1,45 @@
+"""What a rank that ended with an error wrote last: a device out-of-memory, or its refusal.
+
+A refusal is the one line `llm-pretrain: …` a rank prints before it exits 2, 65 or 78 (a usage,
+data or config error that restarting cannot help): the daemon's own last line carries it.
+
+On Ascend the kernel's OOM killer is not involved: the device allocator
+fails and MindSpore raises. The messages below are MindSpore 2.x's own
+(strings of its memory pool and runtime libraries) and CANN's error code for
+a failed device allocation; they are matched only in the tail of the log of
+a rank that has already exited with an error. Not verified on hardware here.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_PATTERNS = re.compile(r"memory isn't enough|Out of Memory!!!|Malloc device memory failed|EL0004|"
+                       r"out of memory", re.IGNORECASE)
+TAIL_BYTES = 65536
+PREFIX = "llm-pretrain: "      # how the command line says why it ends
+
+
+def _tail(log_path: Path, start: int) -> str | None:
+    """The log's last TAIL_BYTES after byte `start` (where this process's output begins)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(start, f.tell() - TAIL_BYTES))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return None
+
+
+def oom_line(log_path: Path, start: int = 0) -> str | None:
+    """The last line of this process's part of the log that reports a device out-of-memory, or None."""
+    hits = [line.strip() for line in (_tail(log_path, start) or "").splitlines() if _PATTERNS.search(line)]
+    return hits[-1][:300] if hits else None
+
+
+def refusal_line(log_path: Path, start: int = 0) -> str | None:
+    """The rank's own one-line reason for ending with a usage, data or config error (without its
+    `llm-pretrain: ` prefix), or None."""
+    said = [line.strip()[len(PREFIX):] for line in (_tail(log_path, start) or "").splitlines()
+            if line.startswith(PREFIX)]
+    return said[-1][:500] if said else None
