@@ -27,9 +27,13 @@ demo: $(INSTALLED)
 	$(BIN)/llm-pretrain run $(ARGS)
 
 # every test once: the fast tiers where MindSpore cannot be imported (they must never need it), then e2e
+# and ends with one line: what both sessions skipped, and why
+SKIP_LOG := $(VENV)/.skipped.jsonl
 test: $(INSTALLED)
-	PYTHONPATH="$(CURDIR)/tests/without_mindspore" $(BIN)/python -m pytest tests/unit tests/integration
-	$(BIN)/python -m pytest tests/e2e
+	rm -f $(SKIP_LOG)
+	LLM_PRETRAIN_SKIP_LOG=$(SKIP_LOG) PYTHONPATH="$(CURDIR)/tests/without_mindspore" $(BIN)/python -m pytest tests/unit tests/integration
+	LLM_PRETRAIN_SKIP_LOG=$(SKIP_LOG) $(BIN)/python -m pytest tests/e2e
+	@$(BIN)/python -m tests.skips $(SKIP_LOG)
 
 # the fast tier by path, so tests/e2e is not even collected: it runs where MindSpore cannot be imported
 test-fast: $(INSTALLED)

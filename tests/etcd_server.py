@@ -7,7 +7,6 @@ CI (`CI` set), where that is a failure: `.ci/run` installs Debian's etcd-server.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,9 +18,11 @@ import pytest
 
 
 def etcd_binary() -> str:
-    path = shutil.which("etcd")
+    from daemon.embedded_etcd import INSTALL_ETCD, find_etcd
+
+    path = find_etcd()
     if path is None:
-        message = "no etcd binary on PATH (Debian: apt-get install etcd-server)"
+        message = f"no etcd binary: {INSTALL_ETCD}"
         if os.environ.get("CI"):
             pytest.fail(message)
         pytest.skip(message)
@@ -32,6 +33,16 @@ def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _stopped(pid: int) -> bool:
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, IndexError):
+            continue
+    return bool(states) and all(s in ("T", "t") for s in states)
 
 
 class EtcdServer:
@@ -67,8 +78,13 @@ class EtcdServer:
                     raise RuntimeError(f"etcd did not start: see {self.log.name}")
                 time.sleep(0.1)
 
-    def pause(self) -> None:
+    def pause(self, timeout_s: float = 10.0) -> None:
+        """SIGSTOP, returning once every thread of etcd is stopped (a loaded machine may take a moment to
+        stop a thread that was running: until then it could still answer)."""
         self.proc.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + timeout_s
+        while not _stopped(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def resume(self) -> None:
         self.proc.send_signal(signal.SIGCONT)

@@ -90,6 +90,8 @@ def main() -> int:
     ap.add_argument("--fault-generations", default="")
     ap.add_argument("--gate-at", type=int)
     ap.add_argument("--gate")
+    ap.add_argument("--lockstep")                 # a directory: step with the other ranks, as collectives make them
+    ap.add_argument("--lockstep-world", type=int, default=1)
     a = ap.parse_args()
     if os.environ.get(ENV_STANDBY_FD):          # a warm standby: wait to be made a rank (engine/rank/standby.py)
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as ready:
@@ -164,6 +166,21 @@ def main() -> int:
                 start += b_ - a_
         return start, start + 8
 
+    def lockstep(done: int) -> None:
+        """Says this rank finished step `done`, then waits until every rank of the generation has (a real
+        cluster's all-reduce), or for a SIGTERM: under load no rank runs far ahead of a failing one."""
+        if not a.lockstep:
+            return
+        folder = Path(a.lockstep)
+        folder.mkdir(parents=True, exist_ok=True)
+        mine = folder / f"g{generation}-r{rank}"
+        mine.with_suffix(".tmp").write_text(str(done))
+        mine.with_suffix(".tmp").replace(mine)
+        peers = [folder / f"g{generation}-r{r}" for r in range(a.lockstep_world)]
+        while not stop["requested"] and not all(p.exists() and int(p.read_text() or 0) >= done for p in peers):
+            time.sleep(0.01)
+
+    lockstep(step)
     while step < a.steps:
         while a.gate_at is not None and step + 1 >= a.gate_at and not os.path.exists(a.gate) \
                 and not stop["requested"]:
@@ -212,6 +229,7 @@ def main() -> int:
             print("hanging, as asked", flush=True)
             while True:
                 time.sleep(1)
+        lockstep(step)                 # a failed rank above never says it finished: its peers wait for it
     emit(PhaseEvent(rank=rank, generation=generation, phase="exiting", step=step))
     emit(ExitEvent(rank=rank, generation=generation, step=step, reason=reason))
     time.sleep(a.linger_s)

