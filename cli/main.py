@@ -146,8 +146,7 @@ def _add_operations(sub) -> None:
 
 
 
-def _add_tools(sub) -> None:
-    """Data, interop, plots, services and configs."""
+def _add_prepare_data(sub) -> None:
     prep = sub.add_parser("prepare-data", help="tokenize text files into a corpus for training")
     prep.add_argument("--input", dest="inputs", action="append", required=True, metavar="PATH",
                       help="a file, directory or glob (.txt, .md, .jsonl, source files), or @stdlib; repeatable")
@@ -160,8 +159,16 @@ def _add_tools(sub) -> None:
     prep.add_argument("--shard-tokens", type=int, default=1 << 27, help="tokens per shard file")
     prep.add_argument("--block-bytes", type=int, default=1 << 20, metavar="N",
                       help="bytes per CRC32C-checked block (a multiple of 4096; default 1 MiB)")
+    prep.add_argument("--validation-fraction", type=float, default=0.0, metavar="F",
+                      help="hold out about this fraction of the documents (by a hash of each: the same text always "
+                           "lands on the same side) as the corpus's validation split, never trained on (default 0)")
     prep.add_argument("--overwrite", action="store_true", help="replace an existing corpus at --output")
     _add_log_format(prep, "console: the default when stderr is a terminal (a progress bar, then lines)")
+
+
+def _add_tools(sub) -> None:
+    """Data, interop, plots, services and configs."""
+    _add_prepare_data(sub)
 
     export = sub.add_parser("export", help="write a checkpoint as Hugging Face LLaMA or mindformers weights")
     export.add_argument("checkpoint", metavar="CHECKPOINT",
@@ -535,7 +542,8 @@ def _cmd_prepare_data(args: argparse.Namespace) -> int:
 
     prepare(args.inputs, args.output, tokenizer=args.tokenizer, eos_token=args.eos_token, workers=args.workers,
             text_field=args.text_field, shard_tokens=args.shard_tokens, overwrite=args.overwrite,
-            block_bytes=args.block_bytes, human={"json": False, "console": True}.get(args.log_format))
+            block_bytes=args.block_bytes, human={"json": False, "console": True}.get(args.log_format),
+            validation_fraction=args.validation_fraction)
     return ExitCode.OK
 
 

@@ -7,8 +7,9 @@ faded. Every incident is shaded over its steps and numbered in a strip above
 the loss, where its rollback is drawn back to the checkpoint it went to and
 committed checkpoints sit as small triangles; the steps whose samples a
 rollback skips are hatched. The numbered list, the legend and the title stay
-outside the data area, so no text ever covers a curve. Data: rank 0's log
-(step, checkpoint and phase events) and the incident log of state.json.
+outside the data area, so no text ever covers a curve; the validation loss is a
+dotted line of points on the loss panel. Data: rank 0's log (step, checkpoint,
+phase and eval events) and the incident log of state.json.
 
 The pure parts (sample window -> steps, superseded steps, incident labels,
 marker placement, list folding) are small functions the unit tests call
@@ -49,15 +50,17 @@ class RankLog:
     steps: dict[int, list[dict]]                 # generation -> its step events, in log order
     checkpoints: list[tuple[int, int]]           # (generation, step) of each committed checkpoint
     resumed_at: dict[int, int]                   # generation -> the step it resumed from (its compile phase)
+    validations: list[tuple[int, float]] = dataclasses.field(default_factory=list)   # (step, loss) of eval events
 
 
-_DRAWN = ('"kind": "step"', '"kind": "checkpoint"', '"kind": "phase"')     # as protocol's to_json writes them
+_DRAWN = ('"kind": "step"', '"kind": "checkpoint"', '"kind": "phase"', '"kind": "eval"')   # as to_json writes them
 
 
 def read_rank_log(log_path: Path) -> RankLog:
     steps: dict[int, list[dict]] = defaultdict(list)
     checkpoints: list[tuple[int, int]] = []
     resumed_at: dict[int, int] = {}
+    validations: list[tuple[int, float]] = []
     with open(log_path) as f:
         for line in f:
             # the rank log mixes JSON events with free text; parse only the lines we draw
@@ -74,7 +77,9 @@ def read_rank_log(log_path: Path) -> RankLog:
                 checkpoints.append((e["generation"], e["step"]))
             elif kind == "phase" and e.get("phase") == "compile":
                 resumed_at[e["generation"]] = e.get("step", 0)
-    return RankLog(dict(steps), checkpoints, resumed_at)
+            elif kind == "eval":
+                validations.append((e["step"], _number(e.get("loss"))))
+    return RankLog(dict(steps), checkpoints, resumed_at, validations)
 
 
 # Pure helpers ---------------------------------------------------------------------------------
@@ -309,6 +314,7 @@ def plot(run_dir: Path, out: Path) -> dict:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return {"generations": len(run.log.steps), "steps": sum(len(ev) for ev in run.log.steps.values()),
+            "validations": len(dict(run.log.validations)),
             "incidents": len(incidents), "checkpoints": len(run.log.checkpoints),
             "superseded_steps": {g: list(span) for g, span in sorted(run.superseded.items())},
             "skipped_steps": [list(s) for s in run.skipped if s], "labels": run.labels}
@@ -336,6 +342,11 @@ def _draw_curves(plt, panels, run: _Run) -> list:
         handles.append(Line2D([], [], color=color, lw=1.2, label=f"generation {gen}"))
     if run.superseded:
         handles.append(Line2D([], [], color="0.4", lw=1, ls="--", alpha=0.6, label="superseded (trained again)"))
+    if run.log.validations:     # a rollback's re-measured steps: the later value is the one that stands
+        by_step = dict(run.log.validations)
+        panels[0].plot(sorted(by_step), [by_step[s] for s in sorted(by_step)], color="black", lw=1, ls=":",
+                       marker="o", ms=3.5, zorder=4)
+        handles.append(Line2D([], [], color="black", lw=1, ls=":", marker="o", ms=3.5, label="validation loss"))
     for ax, name in zip(panels, ("loss", "learning rate", "tokens/s")):
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)

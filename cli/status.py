@@ -141,6 +141,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
     until = now if alive else max(state.updated_unix_s, state.started_unix_s)
     return {"run_dir": str(run_dir), "status": status, "daemon_pid": state.daemon_pid if alive else None,
             "step": step, "total_steps": state.total_steps or None, "loss": p.get("loss"),
+            "validation": dict(state.last_validation) or None,
             "tokens_per_s": p.get("tokens_per_s"), "eta_s": eta_s,
             "progress_age_s": round(now - p["unix_s"], 1) if p.get("unix_s") else None,
             "generation": state.generation, "restarts": state.restarts,
@@ -168,6 +169,12 @@ def _duration(seconds: float | None) -> str:
     return duration(seconds)
 
 
+def _validation(v: dict[str, Any] | None) -> str:
+    if not v or not isinstance(v.get("loss"), (int, float)):
+        return "none yet (a validation split or data.validation_path, every train.eval_interval_steps)"
+    return f"loss {v['loss']:.4f}, perplexity {v.get('perplexity', float('nan')):.2f} (after step {v.get('step')})"
+
+
 def render(s: dict[str, Any]) -> str:
     step = "-" if s["step"] is None else f"{s['step']}" + (f" / {s['total_steps']}" if s["total_steps"] else "")
     if s["progress_age_s"] is not None:
@@ -178,6 +185,7 @@ def render(s: dict[str, Any]) -> str:
             ("state", s["status"] + (f" (pid {s['daemon_pid']})" if s["daemon_pid"] else "")),
             ("step", step),
             ("loss", "-" if s["loss"] is None else f"{s['loss']:.4f}"),
+            ("validation", _validation(s.get("validation"))),
             ("tokens/s", "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"),
             ("ETA", "paused" if s["status"] == "paused" else _duration(s["eta_s"])
              + (f"  ({s['mean_step_s']:.3f} s/step, recent mean)" if s["eta_s"] is not None else "")),

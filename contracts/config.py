@@ -103,6 +103,8 @@ class DataConfig:
     seed: int = 1234               # data order (and the synthetic chain)
     synthetic_successors: int = 4  # synthetic: distinct next tokens each token can have
     prefetch_steps: int = 4        # steps' batches the input pipeline prepares ahead in the background
+    validation_path: str = ""      # held-out corpus for the validation loss; "" = the training corpus's own
+                                   # validation split (prepare-data --validation-fraction), if it has one
 
     def __post_init__(self) -> None:
         _choice("data.source", self.source, ("prepared", "synthetic"))
@@ -131,9 +133,13 @@ class TrainConfig:
     loss_scale_window_steps: int = 1000  # fp16: clean steps before the scale doubles
     loss_scale_min: float = 1.0          # fp16: the scale never halves below this
     log_interval_steps: int = 1    # print a step line every N steps
+    eval_interval_steps: int = 100  # the validation loss every N steps (and at the last); 0 = never
+    eval_batches: int = 4          # of train.micro_batch held-out sequences: the same ones each time, on every rank
 
     def __post_init__(self) -> None:
         _choice("train.device", self.device, ("cpu", "ascend"))
+        _at_least("train.eval_interval_steps", self.eval_interval_steps, 0)
+        _at_least("train.eval_batches", self.eval_batches, 1)
         _choice("train.precision", self.precision, ("fp32", "fp16", "bf16"))
         for key in ("steps", "global_batch", "micro_batch", "grad_accum_steps", "loss_scale_window_steps",
                     "log_interval_steps"):
@@ -682,9 +688,9 @@ def read_config_data(path: str | os.PathLike[str] | None = None, overrides: typi
 # how often things are logged or saved, where files go.
 _TRAJECTORY_NEUTRAL = {
     "model": {"init_from"},                 # read only when there is no checkpoint yet
-    "data": {"verify_checksums", "prefetch_steps"},
+    "data": {"verify_checksums", "prefetch_steps", "validation_path"},     # validation: measured, never trained on
     "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "recompute_num_layers", "compute_threads",
-              "fused_kernels", "log_interval_steps", "steps"},
+              "fused_kernels", "log_interval_steps", "steps", "eval_interval_steps", "eval_batches"},
     "parallel": "*", "checkpoint": "*", "health": "*", "run": "*",
 }
 

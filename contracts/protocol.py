@@ -135,6 +135,22 @@ class PhaseEvent(_Event):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalEvent(_Event):
+    """The validation loss after a step: the mean next-token loss over the same held-out sequences each
+    time (train.eval_batches of train.micro_batch), forward only; the same on every rank (rank 0 says it)."""
+
+    rank: int
+    generation: int
+    step: int
+    loss: float
+    perplexity: float         # exp(loss)
+    sequences: int
+    tokens: int               # targets scored: sequences x seq_len
+    seconds: float            # wall time of the evaluation (the first one compiles its graph)
+    kind: str = "eval"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DataFaultEvent(_Event):
     """A rank read corpus blocks that fail their checksums, before training on them; it exits 65 next."""
 
@@ -148,7 +164,8 @@ class DataFaultEvent(_Event):
     kind: str = "data_fault"
 
 
-PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting", "standby")   # standby: formed, waiting
+# standby: formed, waiting; eval: the validation loss after a step (its first one compiles a graph)
+PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting", "standby", "eval")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LrOverride:
@@ -225,7 +242,7 @@ class RecoveryDirective:
 
 
 EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent,
-               "data_fault": DataFaultEvent}
+               "data_fault": DataFaultEvent, "eval": EvalEvent}
 
 
 # Worker ⇄ supervisor plumbing: environment variables the supervisor sets for every rank.

@@ -123,6 +123,9 @@ class WorkerLines:
             return level, f"checkpoint step {step} {stage}{seconds}{detail}"
         if kind == "exit":
             return "info", f"{r.get('reason')} at step {r.get('step')}"
+        if kind == "eval" and isinstance(r.get("loss"), (int, float)):
+            return "info", (f"validation loss {r['loss']:.4f} (perplexity {r.get('perplexity', float('nan')):.2f}) "
+                            f"after step {r.get('step')}, {r.get('sequences')} sequences in {r.get('seconds', 0):.1f} s")
         if kind == "data_fault":
             return "error", f"corrupt data before step {r.get('step')}: {_value(r.get('detail', ''))}"
         rest = " ".join(f"{k}={_value(v)}" for k, v in r.items() if k not in ("kind", "rank", "generation"))

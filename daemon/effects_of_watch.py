@@ -25,6 +25,8 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.set_status(e.status, e.text)
         elif isinstance(e, watch.Progress):
             ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
+        elif isinstance(e, watch.Validated):
+            ledger.validated(e.event)
         elif isinstance(e, watch.Warned):
             ledger.warn(e.incident)
         elif isinstance(e, watch.CheckpointFailed):

@@ -2,7 +2,7 @@
 
 A rank is hung when it makes no progress (no event at all) for longer than its
 phase allows: from start to its first event, `hang_start_timeout_s`; while
-compiling (the first step), `hang_compile_timeout_s`; while training,
+compiling (the first step) or evaluating, `hang_compile_timeout_s`; while training,
 max(hang_floor_s, hang_step_multiplier × p99 of the step times seen so far);
 while saving its last checkpoint, `hang_checkpoint_timeout_s`; never while
 paused. Compile, restore and checkpoint are never judged by step times, so
@@ -44,7 +44,7 @@ class StepTimes:
 def timeout_s(phase: str, cfg: HealthConfig, steps: StepTimes) -> float:
     if phase in ("starting", "restore"):
         return cfg.hang_start_timeout_s
-    if phase == "compile":
+    if phase in ("compile", "eval"):             # the validation graph compiles at its first use
         return cfg.hang_compile_timeout_s
     if phase in ("checkpoint", "exiting"):
         return cfg.hang_checkpoint_timeout_s

@@ -18,7 +18,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from contracts.protocol import RecoveryDirective, StepEvent
+from contracts.protocol import EvalEvent, RecoveryDirective, StepEvent
 from daemon import state_rebuild
 from daemon.control import Request
 from daemon.eventlog import EventLog
@@ -161,6 +161,16 @@ class Ledger:
         self.emit("control", name=request.name, file=request.file, body=request.body or None)
         self.state.take_control(name=request.name, file=request.file, unix_s=time.time(),
                                 reason=request.body.get("reason"))
+        self.save()
+
+    def validated(self, ev: EvalEvent) -> None:
+        """The validation loss after a step: a `validation` event, the metrics, and status (state.json)."""
+        self.emit("validation", step=ev.step, loss=ev.loss, perplexity=ev.perplexity, sequences=ev.sequences,
+                  tokens=ev.tokens, seconds=round(ev.seconds, 3))
+        self.metrics.update(validation_loss=ev.loss, validation_step=ev.step)
+        self.metrics.flush()
+        self.state.note_validation({"step": ev.step, "loss": ev.loss, "perplexity": ev.perplexity,
+                                    "unix_s": time.time()})
         self.save()
 
     def progress(self, ev: StepEvent, *, log: bool, notify: bool, compiled: bool = False) -> None:

@@ -43,6 +43,8 @@ class Metrics:
         self.last_checkpoint_unix_s: float | None = None
         self.checkpoints_failing_since_step = 0
         self.tokens_total = 0
+        self.validation_loss = float("nan")      # NaN until the first validation
+        self.validation_step = 0
         self.status = "new"
         self.up = 1                       # 0 once the daemon has exited (the textfile outlives it)
         self.exit_code: int | None = None
@@ -72,6 +74,9 @@ class Metrics:
                 ("up", "gauge", "1 while the daemon runs; 0 once it has exited", self.up),
                 ("step", "gauge", "optimizer steps completed", self.step),
                 ("loss", "gauge", "training loss of the latest step", self.loss),
+                ("validation_loss", "gauge", "mean next-token loss on the held-out sequences (NaN: none yet)",
+                 self.validation_loss),
+                ("validation_step", "gauge", "the step the validation loss was measured after", self.validation_step),
                 ("tokens_per_second", "gauge", "training throughput, all ranks", self.tokens_per_s),
                 ("tokens_total", "counter", "tokens trained on by this daemon's generations, all ranks",
                  self.tokens_total),

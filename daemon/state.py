@@ -63,6 +63,7 @@ class RunState:
     log_dir: str = ""                    # where events.jsonl and the rank logs are
     total_steps: int = 0                 # train.steps of the run
     last_progress: dict[str, Any] = dataclasses.field(default_factory=dict)   # step, loss, tokens_per_s, unix_s
+    last_validation: dict[str, Any] = dataclasses.field(default_factory=dict)  # step, loss, perplexity, unix_s
     daemon_pid: int = 0
     started_unix_s: float = 0.0          # when the run's first daemon began (status: elapsed)
     updated_unix_s: float = 0.0
@@ -101,6 +102,7 @@ class RunState:
         except (KeyError, TypeError, ValueError) as e:
             raise _Invalid(f"recovery is not a recovery directive: {_reason(e)}") from None
         fields["last_progress"] = non_finite_floats(fields.get("last_progress") or {})
+        fields["last_validation"] = non_finite_floats(fields.get("last_validation") or {})
         return cls(**fields)
 
     # How the run's state changes ----------------------------------------------------------------------
@@ -204,6 +206,10 @@ class RunState:
     def take_control(self, *, name: str, file: str, unix_s: float, reason: str | None) -> None:
         """The last control request taken (status shows it)."""
         self.last_control = {"name": name, "file": file, "unix_s": unix_s, "reason": reason}
+
+    def note_validation(self, validation: Mapping[str, Any]) -> None:
+        """The last validation loss measured: step, loss, perplexity, when (status shows it)."""
+        self.last_validation = dict(validation)
 
     def note_progress(self, progress: Mapping[str, Any]) -> None:
         """The last progress of the run: step, loss, lr, tokens per second, when (status's ETA)."""

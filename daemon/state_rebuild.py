@@ -68,6 +68,9 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
         elif name == "progress":
             state.note_progress(non_finite_floats({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
                                                    "unix_s": _unix_s(e.get("ts"))}))
+        elif name == "validation":
+            state.note_validation(non_finite_floats({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
+                                                     "unix_s": _unix_s(e.get("ts"))}))
     state.restore_restarts(restarts=max(counts["restarts"], restarts_total), without_progress=without_progress)
     return state, counts
 

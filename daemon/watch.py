@@ -21,8 +21,8 @@ import signal
 from typing import Any, Mapping, Sequence
 
 from contracts.config import Config
-from contracts.protocol import (FINAL_WORKER_CODES, CheckpointEvent, DataFaultEvent, ExitEvent, PhaseEvent,
-                                StepEvent)
+from contracts.protocol import (FINAL_WORKER_CODES, CheckpointEvent, DataFaultEvent, EvalEvent, ExitEvent,
+                                PhaseEvent, StepEvent)
 from daemon import hang
 from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
@@ -81,6 +81,12 @@ class Status:
 
 
 @dataclasses.dataclass(frozen=True)
+class Validated:
+    """The validation loss the ranks measured after a step: an event, the metrics and status keep it."""
+    event: EvalEvent
+
+
+@dataclasses.dataclass(frozen=True)
 class Progress:
     """A step of the watched rank: metrics always; `log` a progress event, `notify` systemd's STATUS=."""
     event: StepEvent
@@ -118,7 +124,7 @@ class DumpStacks:
     ranks: tuple[int, ...]
 
 
-Effect = Send | Note | Status | Progress | Warned | Committed | CheckpointFailed | DumpStacks
+Effect = Send | Note | Status | Progress | Validated | Warned | Committed | CheckpointFailed | DumpStacks
 
 
 # Outcomes: how a generation ends ------------------------------------------------------------
@@ -240,7 +246,8 @@ class Watch:
         self.pause = to
 
     # Inputs ---------------------------------------------------------------------------------
-    def on_event(self, ev: StepEvent | PhaseEvent | CheckpointEvent | ExitEvent | DataFaultEvent, now: float) -> None:
+    def on_event(self, ev: StepEvent | PhaseEvent | CheckpointEvent | ExitEvent | DataFaultEvent | EvalEvent,
+                 now: float) -> None:
         p = self.progress.get(ev.rank)
         if p is None or ev.generation != self.generation or getattr(ev, "phase", None) == "standby":
             return                                   # another generation's late datagram, or a standby's
@@ -266,6 +273,8 @@ class Watch:
             self._judge(self.stragglers.observe(ev), ev.step)
         elif isinstance(ev, CheckpointEvent):
             self._checkpoint(ev)
+        elif isinstance(ev, EvalEvent):
+            self._do(Validated(ev))
         elif isinstance(ev, ExitEvent):
             self._exit_reasons[ev.rank] = (ev.reason, ev.step)
         elif isinstance(ev, DataFaultEvent) and self._incident is None:
@@ -331,10 +340,10 @@ class Watch:
 
     def stalled_s(self, now: float) -> float:
         """How long the ranks have made no step past twice their p99 step time while they should be
-        stepping: 0 before their first step (compiling), while saving, paused or stopping, and after
-        the run's last step."""
+        stepping: 0 before their first step (compiling), while saving, evaluating, paused or stopping,
+        and after the run's last step."""
         if (not self.stepping or self.saving or self.pause is not Pause.RUNNING or self.stop_sent_at is not None
-                or self.last_step >= self.cfg.train.steps):
+                or self.last_step >= self.cfg.train.steps or any(p.phase == "eval" for p in self.progress.values())):
             return 0.0
         return max(0.0, now - self.last_step_at - 2.0 * (self.step_times.p99() or 0.0))
 

@@ -125,15 +125,16 @@ class CorpusWriter:
             self._file.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def commit(self, inputs: dict[str, Any]) -> Path:
-        """Writes and fsyncs the manifest, then renames the directory into place."""
+    def commit(self, inputs: dict[str, Any], *, validation: dict[str, Any] | None = None) -> Path:
+        """Writes and fsyncs the manifest, then renames the directory into place. `validation`: the held-out
+        split already committed inside this corpus's directory (its path relative to it, and counts)."""
         self._close_shard()
         if self.tokens == 0:
             self.abort()
             raise DataError("the inputs hold no text: nothing to write")
         manifest = {"format": FORMAT, "version": VERSION, "tokenizer": self.tokenizer, "dtype": self.dtype.name,
                     "documents": self.documents, "tokens": self.tokens, "block_bytes": self.block_bytes,
-                    "shards": self.shards, "inputs": inputs}
+                    "shards": self.shards, "inputs": inputs, **({"validation": validation} if validation else {})}
         path = self.tmp / MANIFEST
         path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         fsync_path(path)
@@ -205,6 +206,12 @@ class Corpus:
     @property
     def vocab_size(self) -> int:
         return int(self.tokenizer["vocab_size"])
+
+    @property
+    def validation_path(self) -> Path | None:
+        """The held-out split prepare-data set aside in this corpus (--validation-fraction), if any."""
+        split = self.manifest.get("validation")
+        return self.path / split["path"] if isinstance(split, dict) and split.get("path") else None
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the whole stream, across shard boundaries."""

@@ -263,6 +263,32 @@ def open_source(cfg: Config) -> CorpusSource | SyntheticSource:
     return CorpusSource(corpus, seq_len=d.seq_len, seed=d.seed)
 
 
+def validation_batches(cfg: Config, source: CorpusSource | SyntheticSource) -> np.ndarray | None:
+    """The held-out sequences the validation loss is measured on, int32 (batches, micro_batch, seq_len + 1):
+    train.eval_batches batches of train.micro_batch, the first of the validation corpus's order, the same
+    ones every time. From data.validation_path, else the training corpus's own split; None when the run
+    has neither (or train.eval_interval_steps = 0)."""
+    t, d = cfg.train, cfg.data
+    if not t.eval_interval_steps:
+        return None
+    path: str | Path | None = d.validation_path or None
+    if path is None and isinstance(source, CorpusSource):
+        path = source.corpus.validation_path
+    if path is None:
+        return None
+    corpus = Corpus(path, verify_checksums=d.verify_checksums)
+    check_vocabulary(corpus, cfg)
+    held_out = CorpusSource(corpus, seq_len=d.seq_len, seed=d.seed)
+    batches = min(t.eval_batches, held_out.samples_per_epoch // t.micro_batch)
+    if batches < 1:
+        raise DataError(f"validation corpus {str(corpus.path)!r} holds {held_out.samples_per_epoch} sequences of "
+                        f"data.seq_len + 1 = {d.seq_len + 1} tokens, fewer than one batch of train.micro_batch = "
+                        f"{t.micro_batch}; hold out more (prepare-data --validation-fraction) or set "
+                        "train.eval_interval_steps = 0")
+    n = batches * t.micro_batch
+    return held_out.batch(np.arange(n)).reshape(batches, t.micro_batch, d.seq_len + 1)
+
+
 def check_vocabulary(corpus: Corpus, cfg: Config) -> None:
     """The model can embed every token of the corpus (checked by `config` and the daemon before any
     rank starts, and by each rank)."""

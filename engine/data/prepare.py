@@ -9,6 +9,7 @@ progress. The same inputs give byte-identical output. No MindSpore here.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import multiprocessing
 import os
@@ -196,15 +197,23 @@ class Progress:
 
 def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte", eos_token: str | None = None,
             workers: int = 0, text_field: str = "text", shard_tokens: int = 1 << 27, overwrite: bool = False,
-            block_bytes: int = DEFAULT_BLOCK_BYTES, log: TextIO = sys.stderr, human: bool | None = None) -> dict[str, Any]:
-    """Prepares a corpus; returns its manifest. Raises DataError on bad input, leaving nothing behind."""
+            block_bytes: int = DEFAULT_BLOCK_BYTES, log: TextIO = sys.stderr, human: bool | None = None,
+            validation_fraction: float = 0.0) -> dict[str, Any]:
+    """Prepares a corpus; returns its manifest. Raises DataError on bad input, leaving nothing behind.
+    validation_fraction: about that fraction of the documents (by a hash of each) go to a validation
+    split inside the corpus (`validation/`, a corpus of its own, named in the manifest), never to training."""
     if shard_tokens < 1:
         raise DataError(f"--shard-tokens = {shard_tokens} must be >= 1")
+    if not 0.0 <= validation_fraction < 1.0:
+        raise DataError(f"--validation-fraction = {validation_fraction:g} is out of range; use 0 (none) up to "
+                        "but not including 1 (e.g. 0.01)")
     check_block_bytes(block_bytes)
     files = find_inputs(inputs)
     tok = load_tokenizer(tokenizer, eos_token)   # fail fast, in this process, on a bad tokenizer
     writer = CorpusWriter(output, tokenizer=tok.describe(), shard_tokens=shard_tokens, overwrite=overwrite,
                           block_bytes=block_bytes)
+    held_out = CorpusWriter(writer.tmp / VALIDATION_DIR, tokenizer=tok.describe(), shard_tokens=shard_tokens,
+                            block_bytes=block_bytes) if validation_fraction > 0 else None
     workers = workers or min(len(files), os.cpu_count() or 1)
     progress = Progress(len(files), log, human=human)
     replaced: dict[str, int] = {}
@@ -216,7 +225,7 @@ def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte
                 if "error" in stats:
                     raise DataError(f"cannot read input {path!r}: {stats['error']}")
                 for doc in docs:
-                    writer.add_document(doc)
+                    (held_out if held_out is not None and _held_out(doc, validation_fraction) else writer).add_document(doc)
                 if stats["replaced"]:
                     replaced[path] = stats["replaced"]
                 if stats["bad_lines"]:
@@ -231,14 +240,39 @@ def prepare(inputs: Sequence[str], output: str | Path, *, tokenizer: str = "byte
                           warning=f"{count} invalid UTF-8 byte sequences replaced with U+FFFD")
         inputs_summary = {"specs": list(inputs), "files": len(files),
                           "replaced_characters": sum(replaced.values()), "skipped_lines": sum(bad_lines.values())}
-        out = writer.commit(inputs_summary)
+        out = _commit(writer, held_out, validation_fraction, inputs_summary)
     except BaseException:
+        if held_out is not None:
+            held_out.abort()
         writer.abort()
         raise
     manifest = json.loads((out / "manifest.json").read_text())
     progress.emit("prepare_done", documents=manifest["documents"], output=str(out),
                   shards=len(manifest["shards"]))
     return manifest
+
+
+VALIDATION_DIR = "validation"     # the held-out split, inside the corpus's directory
+
+
+def _commit(writer: CorpusWriter, held_out: CorpusWriter | None, fraction: float, inputs: dict[str, Any]) -> Path:
+    """The validation split first (inside the corpus's temporary directory), then the corpus naming it."""
+    validation = None
+    if held_out is not None:
+        if held_out.documents == 0:
+            raise DataError(f"--validation-fraction = {fraction:g} held out none of the {writer.documents} documents; "
+                            "raise it, or give the run a corpus of its own (data.validation_path)")
+        held_out.commit(inputs)
+        validation = {"path": VALIDATION_DIR, "fraction": fraction, "documents": held_out.documents,
+                      "tokens": held_out.tokens}
+    return writer.commit(inputs, validation=validation)
+
+
+def _held_out(doc: np.ndarray, fraction: float) -> bool:
+    """Whether a document belongs to the validation split: by a hash of its tokens, so the split does not
+    depend on file order or worker count, and a document repeated in the inputs never lands on both sides."""
+    digest = hashlib.blake2b(np.ascontiguousarray(doc).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2.0 ** 64 < fraction
 
 
 def cache_root(env=os.environ) -> Path:

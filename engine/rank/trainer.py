@@ -25,6 +25,7 @@ from contracts.protocol import (
     ENV_GENERATION,
     ENV_RECOVERY,
     DataFaultEvent,
+    EvalEvent,
     ExitEvent,
     PhaseEvent,
     RecoveryDirective,
@@ -194,7 +195,7 @@ class RankRun:
     """One rank's run of `train`, in named steps: start, restore, loop (step, agree, save, pause), finish."""
 
     def __init__(self, cfg: Config, env, *, clock: StartupClock, source, stop: StopSignal, sink: EventSink,
-                 rank_info: runtime.RankInfo):
+                 rank_info: runtime.RankInfo, held_out: np.ndarray | None = None):
         self.cfg, self.env, self.clock, self.source, self.stop, self.sink = cfg, env, clock, source, stop, sink
         self.rank_info = rank_info
         self.generation = int(env.get(ENV_GENERATION, "0"))
@@ -205,12 +206,15 @@ class RankRun:
         self.simulated = bool(env.get("MS_SIMULATION_LEVEL"))   # `plan --dry-run`: one compiled step, nothing saved
         self.trainer: Trainer | None = None
         self.ckpt = None
+        self.held_out = held_out          # the validation sequences (order.validation_batches), or None
+        self.evaluator = None             # built at the first evaluation (its graph compiles then)
 
     @classmethod
     def start(cls, cfg: Config, *, out: TextIO, env) -> RankRun:
         clock = StartupClock()
         clock.mark("launch")                  # interpreter, imports, config and resume checks
         source = order.open_source(cfg)       # bad data fails here, before the cluster forms
+        held_out = order.validation_batches(cfg, source)
         clock.mark("data")
         stop = StopSignal()                   # from here on, SIGTERM asks for a save and a clean exit
         faulthandler.register(signal.SIGUSR1, all_threads=True)   # the supervisor's stack dump of a hung rank
@@ -221,7 +225,8 @@ class RankRun:
         clock.mark("import")
         rank_info = runtime.setup(cfg, env)
         clock.mark("cluster")
-        return cls(cfg, env, clock=clock, source=source, stop=stop, sink=sink, rank_info=rank_info)
+        return cls(cfg, env, clock=clock, source=source, stop=stop, sink=sink, rank_info=rank_info,
+                   held_out=held_out)
 
     def phase(self, name: str, step: int = 0, **more) -> None:
         self.sink.emit(PhaseEvent(rank=self.rank_info.rank, generation=self.generation, phase=name, step=step, **more))
@@ -265,6 +270,7 @@ class RankRun:
             self._save(event, save_now)
             if stopping:
                 return "stopped"
+            self._evaluate(event.step, last)
             if pausing:
                 outcome = self._pause()
                 if outcome != "resume":
@@ -320,6 +326,33 @@ class RankRun:
             self.ckpt.save(metrics)
         elif in_memory and event.step % in_memory == 0:
             self.ckpt.save(metrics, memory=True)             # the RAM tier, between disk saves
+
+    def _evaluate(self, step: int, last: int) -> None:
+        """The validation loss every train.eval_interval_steps and after the last step: rank 0 measures
+        it (data parallel: every rank holds the same weights); every rank says it is evaluating, so a
+        peer that waits for rank 0 in the next step's collective is not taken for hung."""
+        interval = self.cfg.train.eval_interval_steps
+        if self.held_out is None or self.simulated or not (step % interval == 0 or step == last):
+            return
+        rank = self.rank_info.rank
+        if self.rank_info.parallelism.semi_auto:
+            if rank == 0 and self.evaluator is None:
+                print("llm-pretrain: no validation loss under tensor or pipeline parallel yet (its forward needs a "
+                      "parallel graph of its own); set train.eval_interval_steps = 0 to silence this",
+                      file=sys.stderr, flush=True)
+            self.evaluator = False
+            return
+        self.phase("eval", step)
+        if rank != 0:
+            return
+        from engine.training.evaluate import Evaluator
+
+        if not self.evaluator:
+            self.evaluator = Evaluator(self.trainer.net, self.held_out)
+        loss, perplexity, seconds = self.evaluator.run()
+        sequences = int(self.held_out.shape[0] * self.held_out.shape[1])
+        self.sink.emit(EvalEvent(rank=rank, generation=self.generation, step=step, loss=loss, perplexity=perplexity,
+                                 sequences=sequences, tokens=sequences * (self.held_out.shape[2] - 1), seconds=seconds))
 
     def _pause(self) -> str:
         """Every rank agreed on this step; the checkpoint is committed before holding, so the supervisor

@@ -72,6 +72,8 @@ def test_plot_reads_a_sparse_log_with_a_nan_step_and_labels_a_drill(tmp_path):
             if n % 10 == 0:
                 lines.append(json.dumps({"kind": "checkpoint", "stage": "committed", "generation": gen,
                                          "rank": 0, "step": n}, sort_keys=True))
+                lines.append(json.dumps({"kind": "eval", "generation": gen, "rank": 0, "step": n, "loss": 3.5,
+                                         "perplexity": 33.1, "sequences": 32, "tokens": 2048, "seconds": 0.1}))
     (run / "logs").mkdir(parents=True)
     (run / "logs" / "rank-0.log").write_text("\n".join(lines) + "\n")
     drill = Incident(kind=Kind.NON_FINITE, first_step=23, last_step=23, evidence={"drill": {"fault": "nan"}})
@@ -83,4 +85,5 @@ def test_plot_reads_a_sparse_log_with_a_nan_step_and_labels_a_drill(tmp_path):
     assert info["skipped_steps"] == [[23, 23]]
     assert info["superseded_steps"] == {1: [23, 23]}        # 21-22 were not logged, 23 was
     assert info["checkpoints"] == 4 and info["steps"] == 9       # 10, 20; 30, 40
+    assert info["validations"] == 4                              # the validation loss after each of them
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
