@@ -90,6 +90,13 @@ def test_the_rebuild_recovers_history_counts_and_the_directive_from_literal_even
                       "unreadable": 1}
 
 
+def test_the_rebuild_keeps_the_last_validation_loss():
+    state, _ = state_rebuild.state_from_events([
+        ev("validation", 1, step=100, loss=2.5, perplexity=12.18, sequences=32, tokens=2048, seconds=0.4),
+        ev("validation", 1, step=200, loss=2.25, perplexity=9.49, sequences=32, tokens=2048, seconds=0.4)])
+    assert state.last_validation == {"step": 200, "loss": 2.25, "perplexity": 9.49, "unix_s": UNIX_S}
+
+
 def test_a_finished_rollback_is_not_pending_and_the_restart_total_survives_a_dropped_backup():
     later = [e for e in EVENTS[:7]]                     # up to the spike's rollback and its restart
     state, _ = state_rebuild.state_from_events(later)

@@ -430,3 +430,21 @@ def test_ranks_count_as_stalled_only_while_they_should_be_stepping():
     done = make()
     t = steps(done, 1, 100, 1.0)
     assert done.stalled_s(t + 30.0) == 0.0                  # the run's last step: nothing more to come
+
+
+def test_an_evaluation_is_reported_and_neither_a_hang_nor_a_stall():
+    """Rank 0 measures the validation loss after step 10 (seconds, its graph compiling the first time); rank 1
+    goes on and waits for it in the next collective. Both said they evaluate: judged by the compile timeout."""
+    from contracts.protocol import EvalEvent
+    from daemon.watch import Validated
+
+    w = make()
+    t = steps(w, 1, 10, 0.0)
+    phase(w, 0, "eval", t, 10)
+    phase(w, 1, "eval", t, 10)
+    assert w.stalled_s(t + 10.0) == 0.0
+    assert w.tick(t + 15.0) is None                          # past the training floor (3 s), within compile's 20 s
+    done = EvalEvent(rank=0, generation=1, step=10, loss=2.5, perplexity=12.18, sequences=32, tokens=2048, seconds=15.0)
+    w.on_event(done, t + 15.0)
+    assert Validated(done) in w.drain()
+    assert isinstance(w.tick(t + 15.0 + 21.0), Failed)       # an evaluation past the compile timeout is a hang
