@@ -136,8 +136,8 @@ def _check_tokenizer_json(path: Path, raw: bytes) -> None:
     except ValueError as e:
         raise TokenizerError(f"{where} is not JSON ({e}); expected a Hugging Face tokenizer.json") from None
     if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-        found = (f"an object with keys {', '.join(sorted(data)[:8]) or 'none'}" if isinstance(data, dict)
-                 else f"a JSON {type(data).__name__}")
+        found = (f"an object with keys {', '.join(sorted(data)[:8])}" if isinstance(data, dict) and data
+                 else "an empty object" if isinstance(data, dict) else f"a JSON {type(data).__name__}")
         raise TokenizerError(f"{where} is JSON but not a Hugging Face tokenizer.json (it is {found}; a "
                              "tokenizer.json is an object with a \"model\" section, as tokenizer.save() writes it)")
 

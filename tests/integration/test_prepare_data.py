@@ -56,7 +56,8 @@ def test_prepare_is_byte_identical_across_runs(cli, quiet_env, inputs, tmp_path)
     (lambda d: (d / "t.txt").write_text("x"), ["--input", "{d}/t.txt", "--tokenizer", "{d}/nope.json"],
      "does not exist"),
     (lambda d: [(d / "t.txt").write_text("x"), (d / "bad.json").write_text("{}")],
-     ["--input", "{d}/t.txt", "--tokenizer", "{d}/bad.json"], "not a valid tokenizer.json"),
+     ["--input", "{d}/t.txt", "--tokenizer", "{d}/bad.json"], "is JSON but not a Hugging Face tokenizer.json (it is an "
+                                                               "empty object;"),
 ])
 def test_bad_inputs_exit_65_with_one_line_and_leave_nothing(cli, quiet_env, tmp_path, make, args, message):
     make(tmp_path)
