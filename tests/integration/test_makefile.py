@@ -1,5 +1,6 @@
 """The README's make targets as a newcomer types them: `EXTRAS` with commas or spaces, each set of
 extras installed once into the same venv (checked with `make -n`: nothing is installed)."""
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,8 +12,10 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not i
 
 
 def _plan(*args: str, venv: Path) -> list[str]:
+    # not the variables of a `make test` these tests may run under (it passes EXTRAS down through MAKEFLAGS)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     done = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", *args], capture_output=True, text=True,
-                          timeout=60)
+                          timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout.splitlines()
 
