@@ -12,8 +12,10 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make not i
 
 
 def _plan(*args: str, venv: Path) -> list[str]:
-    # not the variables of a `make test` these tests may run under (it passes EXTRAS down through MAKEFLAGS)
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    # not the variables of a `make test` these tests may run under: make exports its command line's (CI's
+    # EXTRAS=test,interop) to its recipes' environment and passes them down through MAKEFLAGS
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "EXTRAS", "VENV", "ARGS", "PYTHON")}
     done = subprocess.run(["make", "-n", "-C", str(ROOT), f"VENV={venv}", *args], capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 0, done.stderr
