@@ -44,8 +44,14 @@ def test_a_shard_zeroed_while_training_is_caught_quarantined_and_training_finish
     proc = subprocess.Popen([*cli, "run", *sum((["--set", s] for s in sets), [])], cwd=tmp_path, env=quiet_env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for(lambda: len(_rank_steps(run)) >= 12, what="step 12")
-        # the shard a reader is about to need: every block of it zeroed, in place, at the same size
+        # the daemon has logged step 10's commit (so a rollback has it to go back to: on a loaded machine
+        # that commit can come after the corrupt step 20's batch is read, and the run rightly starts over)
+        wait_for(lambda: len(_rank_steps(run)) >= 12 and any(
+            e["event"] == "checkpoint_committed" and e["step"] == 10 for e in daemon_events(run)),
+            what="step 12 and step 10's commit")
+        # a shard the readers still need: every block of it zeroed, in place, at the same size. In this
+        # corpus's order (seed, dp = 2) its blocks are first read at steps 20, 25, 27, 31, 47, 58-60 by a
+        # rank that has not read them yet; step 10's commit is logged by step 21 (a save waits for the last)
         victim = "tokens-00030.bin"
         size = (corpus / victim).stat().st_size
         with open(corpus / victim, "r+b") as f:
