@@ -363,11 +363,11 @@ class NextTokenLoss(nn.Cell):
         return self.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
 
 
-class PipelinedCausalLM(CausalLM):
-    """CausalLM for pipeline parallelism: `lazy_inline` on the outermost cell's __init__, as MindSpore
-    documents for pipelines and gradient accumulation (each micro-batch reuses one compiled subgraph
-    instead of inlining the network once per micro-batch). Ascend only; the CPU never builds it
-    except in tests."""
+class InlinedCausalLM(CausalLM):
+    """CausalLM for a semi-auto step with micro-batches (a pipeline's, or MindSpore's GradAccumulation):
+    `lazy_inline` on the outermost cell's __init__, as MindSpore documents for both (each micro-batch
+    reuses one compiled subgraph instead of the network inlined once per micro-batch: 16 copies for
+    the 7B config's accumulation of 16). Ascend only; the CPU never builds it except in tests."""
 
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
@@ -381,7 +381,9 @@ def build_model(config, parallelism) -> CausalLM:
     generation's decided `parallelism`, engine.layout.parallel.decide)."""
     from engine.model import sharding
 
-    cls = PipelinedCausalLM if config.parallel.pp > 1 else CausalLM
+    from engine.layout.parallel import micro_batches
+
+    cls = InlinedCausalLM if parallelism.semi_auto and micro_batches(config) > 1 else CausalLM
     cpu = config.train.device == "cpu"
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
               recompute_layers=config.recompute_layers, explicit_broadcast=cpu,

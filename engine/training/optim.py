@@ -11,7 +11,6 @@ leaves parameters, moments and the count bit-identical.
 from __future__ import annotations
 
 import mindspore as ms
-import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from contracts.config import OptimConfig
@@ -22,16 +21,29 @@ def decays(param: Parameter) -> bool:
     return len(param.shape) >= 2
 
 
+def moments(params: list[Parameter], prefix: str) -> ParameterTuple:
+    """Zeros shaped like each weight, named `<prefix>.<weight>`, made as clones of the weights: under
+    semi-auto parallel MindSpore gives an optimizer state its weight's slice (tp, optimizer sharding)
+    only if it is a clone (as its own AdamWeightDecay makes them); a new Parameter of the full shape
+    would not match the sliced gradient at compile, and would hold the whole model per device."""
+    out = []
+    for p in params:
+        if p.dtype != ms.float32:
+            raise ValueError(f"parameter {p.name} is {p.dtype}: the optimizer keeps fp32 master weights")
+        m = p.clone(init="zeros")
+        m.name, m.requires_grad = f"{prefix}.{p.name}", False
+        out.append(m)
+    return ParameterTuple(out)
+
+
 class AdamW(nn.Cell):
     def __init__(self, params: list[Parameter], cfg: OptimConfig):
         super().__init__(auto_prefix=False)
         self.params = ParameterTuple(params)
         self.cfg = cfg
         self.decays = tuple(decays(p) for p in params)
-        self.exp_avg = ParameterTuple([Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"adam_m.{p.name}",
-                                  requires_grad=False) for p in params])
-        self.exp_avg_sq = ParameterTuple([Parameter(Tensor(np.zeros(p.shape, np.float32)), name=f"adam_v.{p.name}",
-                                     requires_grad=False) for p in params])
+        self.exp_avg = moments(params, "adam_m")
+        self.exp_avg_sq = moments(params, "adam_v")
         self.step = Parameter(Tensor(0, ms.int32), name="adam_step", requires_grad=False)
         self.adam = ops.AdamWeightDecay()
 

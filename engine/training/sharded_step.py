@@ -11,7 +11,7 @@ here all-reduces gradients by hand. Within it:
 - accumulation is MindSpore's own: `GradAccumulation` (pp = 1) or the
   pipeline's micro-batches (`Pipeline`, micro-batches = pipeline_microbatches
   x grad_accum_steps), both summing the micro-batches' losses and filling the
-  `PipelineGradReducer`'s accumulators, so loss and gradients are divided by the
+  `GradReducer`'s accumulators (engine/training/grad_reducer.py), so loss and gradients are divided by the
   micro-batch count here;
 - the global gradient norm is the sum of each gradient's square-sum marked
   with `grad_scale` (MindFormers' ClipGradNorm pattern): the compiler divides
@@ -43,7 +43,9 @@ from engine.training.step_state import StepResult, StepState
 class ShardedStep(StepState):
     def __init__(self, net: nn.Cell, cfg: Config):
         super().__init__(net, cfg)
-        from mindspore.parallel.nn import GradAccumulation, Pipeline, PipelineGradReducer
+        from mindspore.parallel.nn import GradAccumulation, Pipeline
+
+        from engine.training.grad_reducer import GradReducer
 
         self.micro = parallel.micro_batches(cfg)
         if cfg.parallel.pp > 1:
@@ -52,7 +54,7 @@ class ShardedStep(StepState):
             self.network = GradAccumulation(net, self.micro)
         else:
             self.network = net
-        self.reducer = (PipelineGradReducer(self.params, opt_shard=cfg.parallel.optimizer_shard)
+        self.reducer = (GradReducer(self.params, opt_shard=cfg.parallel.optimizer_shard)
                         if self.micro > 1 else None)
         # the compiler recognises this marked ExpandDims and makes the sum global (see the module doc)
         self.expand = ops.ExpandDims().add_prim_attr("grad_scale", True)

@@ -27,12 +27,12 @@ def _primitive_names(cell) -> set[str]:
 
 @pytest.mark.parametrize("overrides,pp", [(TP, 1), (PP, 2), (ALL, 2)], ids=["dp-tp", "pp", "dp-tp-pp-sp"])
 def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accumulation(mindspore_cpu, overrides, pp):
-    from engine.model.causal_lm import CausalLM, PipelinedCausalLM, build_model
+    from engine.model.causal_lm import InlinedCausalLM, build_model
     from engine.training.sharded_step import ShardedStep
 
     cfg = load_config(None, overrides)
     net = build_model(cfg, decide(cfg))
-    assert isinstance(net, PipelinedCausalLM if pp > 1 else CausalLM)
+    assert isinstance(net, InlinedCausalLM)      # every layout here has micro-batches
     cells = dict(net.cells_and_names())
     q = cells["model.layers.0.self_attn.q_proj"].matmul.attrs["in_strategy"]
     assert q == ((cfg.parallel.dp, 1), (cfg.parallel.tp, 1))
@@ -45,7 +45,7 @@ def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accum
     step = ShardedStep(net, cfg)
     assert type(step.network).__name__ == ("Pipeline" if pp > 1 else "GradAccumulation")
     assert step.micro == cfg.train.grad_accum_steps * (cfg.parallel.pipeline_microbatches if pp > 1 else 1)
-    assert step.reducer is not None
+    assert type(step.reducer).__name__ == "GradReducer"      # engine/training/grad_reducer.py: 2.10's own fails
     # the framework reduces the gradients: the step holds no collective of its own
     names = _primitive_names(step)
     assert "MatMul" in names and not names & {"AllReduce", "ReduceScatter", "AllGather"}
