@@ -327,6 +327,12 @@ EMBEDDED = "embedded"
 EMBEDDED_CLIENT_PORT, EMBEDDED_PEER_PORT = 2379, 2380     # etcd's own defaults
 
 
+def sp_rows(micro_batch: int, pp: int, pipeline_microbatches: int) -> int:
+    """Sequences per dp rank in one compiled micro-step (a pipeline splits micro_batch into its
+    micro-batches): sequence parallelism's row-parallel split matches the residual's only at 1."""
+    return micro_batch // pipeline_microbatches if pp > 1 else micro_batch
+
+
 def embedded_members(spec: str) -> list[tuple[str, int, int]]:
     """run.coordinator_members, `HOST[:CLIENT_PORT:PEER_PORT],…` → [(host, client port, peer port), …]
     (member i runs on node i); ValueError naming what is wrong."""
@@ -500,6 +506,20 @@ def _check_elastic(cfg: Config) -> None:
               "size must divide the global batch (raise run.min_nodes or choose a global batch that does)")
 
 
+def _check_sequence_parallel(cfg: Config) -> None:
+    p, t = cfg.parallel, cfg.train
+    if p.tp == 1:
+        _fail("parallel.sp = true needs parallel.tp > 1 (it splits the sequence inside a tensor-parallel group)")
+    if cfg.data.seq_len % p.tp:
+        _fail(f"data.seq_len = {cfg.data.seq_len} must be divisible by parallel.tp = {p.tp} with parallel.sp = true")
+    if (rows := sp_rows(t.micro_batch, p.pp, p.pipeline_microbatches)) != 1:
+        _fail(f"parallel.sp = true needs one sequence per dp rank in each micro-step, and this layout has {rows} "
+              f"(train.micro_batch = {t.micro_batch}" + (f" / parallel.pipeline_microbatches = "
+              f"{p.pipeline_microbatches}" if p.pp > 1 else "") + "): the row-parallel outputs are split over "
+              "dp x tp blocks of the flattened tokens, which is the residual's (dp, tp) split only then; "
+              "move the rest into train.grad_accum_steps")
+
+
 def _check_cross_section(cfg: Config) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if t.recompute_num_layers > m.num_layers:
@@ -536,10 +556,7 @@ def _check_cross_section(cfg: Config) -> None:
             if getattr(m, key) % p.tp:
                 _fail(f"model.{key} = {getattr(m, key)} must be divisible by parallel.tp = {p.tp}")
     if p.sp:
-        if p.tp == 1:
-            _fail("parallel.sp = true needs parallel.tp > 1 (it splits the sequence inside a tensor-parallel group)")
-        if cfg.data.seq_len % p.tp:
-            _fail(f"data.seq_len = {cfg.data.seq_len} must be divisible by parallel.tp = {p.tp} with parallel.sp = true")
+        _check_sequence_parallel(cfg)
     if p.pp > 1:
         if m.num_layers % p.pp:
             _fail(f"model.num_layers = {m.num_layers} must be divisible by parallel.pp = {p.pp} "

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from contracts.config import Config, with_changes
+from contracts.config import Config, sp_rows, with_changes
 from engine.layout.memory_model import (
     COMPUTE_BYTES,
     GIB,
@@ -69,6 +69,8 @@ def rules(cfg: Config, lay: Layout) -> list[tuple[str, bool]]:
         out.append((f"sp needs tp > 1 (tp = {lay.tp})", lay.tp > 1))
         out.append((f"data.seq_len ({cfg.data.seq_len}) divisible by tp ({lay.tp}) under sp",
                     cfg.data.seq_len % lay.tp == 0))
+        rows = sp_rows(lay.micro_batch, lay.pp, lay.pipeline_microbatches)
+        out.append((f"one sequence per dp rank per micro-step under sp ({rows})", rows == 1))
     return out
 
 

@@ -14,7 +14,7 @@ ASCEND = ['train.device="ascend"', 'train.precision="bf16"', "model.num_heads=8"
           "model.num_layers=4", "train.global_batch=16"]
 TP = ASCEND + ["parallel.dp=2", "parallel.tp=2", "train.micro_batch=4", "train.grad_accum_steps=2"]
 PP = ASCEND + ["parallel.pp=2", "parallel.pipeline_microbatches=2", "train.micro_batch=4", "train.grad_accum_steps=4"]
-ALL = ASCEND + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_microbatches=2",
+ALL = ASCEND + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_microbatches=4",
                 "parallel.sp=true", "parallel.optimizer_shard=true", "train.micro_batch=4", "train.grad_accum_steps=2"]
 
 

@@ -109,7 +109,8 @@ def test_bad_config_names_key_and_allowed_values(overrides, words):
 
 def test_ascend_accepts_what_cpu_refuses():
     cfg = load_config(None, ['train.device="ascend"', 'train.precision="bf16"', "parallel.tp=2",
-                             "parallel.dp=1", "parallel.sp=true"])
+                             "parallel.dp=1", "parallel.sp=true", "train.micro_batch=1",
+                             "train.grad_accum_steps=8"])
     assert cfg.parallel.world_size == 2
 
 
@@ -238,3 +239,21 @@ def test_a_derived_name_is_written_out_and_read_back_unchanged(tmp_path):
 def test_a_run_of_several_machines_keeps_the_name_it_is_given_whatever_each_ones_directory():
     multi = ["run.nodes=2", "parallel.dp=2", "train.micro_batch=4", "run.master_port=29500", 'run.coordinator="etcd://h:2379"']
     assert load_config(None, [*multi, 'run.dir="/data/exp-7"']).run.name == "tiny"
+
+
+@pytest.mark.parametrize("overrides,rows", [
+    (["train.micro_batch=2", "train.grad_accum_steps=4"], 2),
+    (["parallel.pp=2", "parallel.pipeline_microbatches=2", "train.micro_batch=4", "train.grad_accum_steps=2"], 2),
+])
+def test_sequence_parallel_is_refused_with_more_than_one_sequence_per_micro_step(overrides, rows):
+    """Under sp the row-parallel outputs are split over dp x tp blocks of the flattened tokens: the residual's
+    (dp, tp) split only with one sequence per dp rank in a micro-step; otherwise every layer redistributes."""
+    base = ['train.device="ascend"', 'train.precision="bf16"', "parallel.tp=2", "parallel.dp=1", "parallel.sp=true",
+            "train.global_batch=8"]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, base + overrides)
+    assert f"this layout has {rows}" in str(e.value) and "train.grad_accum_steps" in str(e.value)
+    assert "\n" not in str(e.value)
+    fixed = [o for o in overrides if "micro_batch=" not in o and "grad_accum" not in o]
+    per_micro = 2 if "parallel.pp=2" in overrides else 1
+    load_config(None, base + fixed + [f"train.micro_batch={per_micro}", f"train.grad_accum_steps={8 // per_micro}"])

@@ -34,7 +34,7 @@ DP_ONLY = _cfg("parallel.dp=4", "train.micro_batch=2", "train.grad_accum_steps=2
 TP_ONLY = _cfg("parallel.tp=4", "train.micro_batch=4", "train.grad_accum_steps=4")
 PP_ONLY = _cfg("parallel.pp=2", "parallel.pipeline_microbatches=2", "train.micro_batch=4",
                "train.grad_accum_steps=4")
-ALL_THREE = _cfg("parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_microbatches=2",
+ALL_THREE = _cfg("parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_microbatches=4",
                  "parallel.sp=true", "parallel.optimizer_shard=true", "train.micro_batch=4",
                  "train.grad_accum_steps=2")
 
@@ -88,7 +88,7 @@ def test_semi_auto_is_configured_on_the_step_with_the_full_batch_and_the_strateg
 def test_micro_batches_through_the_framework_include_the_accumulation_steps():
     assert micro_batches(TP_ONLY) == 4                # GradAccumulation over grad_accum_steps
     assert micro_batches(PP_ONLY) == 2 * 4            # pipeline micro-batches x accumulation steps
-    assert micro_batches(ALL_THREE) == 2 * 2
+    assert micro_batches(ALL_THREE) == 4 * 2
 
 
 def test_ranks_are_stage_major_then_dp_then_tp():
