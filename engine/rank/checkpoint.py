@@ -54,7 +54,14 @@ def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error
             raise error(f"{source}: tensor {p.name!r} has shape {tuple(tensors[p.name].shape)}, "
                         f"the model needs {tuple(p.shape)}")
     for p in params:
-        p.set_data(ms.Tensor(tensors[p.name]))
+        p.set_data(ms.Tensor(tensors[p.name]), p.sliced)    # a slice stays a slice: a recompile must not cut it again
+
+
+def held(params: Sequence[ms.Parameter]) -> list[ms.Parameter]:
+    """The parameters a rank holds under semi-auto, once its step is compiled: MindSpore marks each of
+    its stage's parameters `sliced` (split or replicated alike); another pipeline stage's are never
+    trained here and stay unmarked (MindSpore's own saver passes over them too)."""
+    return [p for p in params if p.sliced and not p.param_info.is_pipeline_shared_param]
 
 
 class TrainerCheckpoints:
@@ -74,7 +81,8 @@ class TrainerCheckpoints:
         self.parallelism = parallelism
         self.sliced = parallelism.semi_auto
         sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
-        self.plan = {n: self.rank for n in sizes} if self.sliced else partition.assign(sizes, self.world)
+        # whole tensors: each rank writes its share of them; slices: what it holds (`held`, once compiled)
+        self.plan = {} if self.sliced else partition.assign(sizes, self.world)
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
                                   on_commit=self._retire if retain else None)
@@ -142,8 +150,8 @@ class TrainerCheckpoints:
             return
         started = time.monotonic()
         if memory not in self._copies:                 # this rank's parameters, each with its buffer
-            owned = [(p, f"rank{self.rank}/{p.name}" if self.sliced else p.name)
-                     for p in self.params if self.plan[p.name] == self.rank]
+            owned = ([(p, f"rank{self.rank}/{p.name}") for p in held(self.params)] if self.sliced else
+                     [(p, p.name) for p in self.params if self.plan[p.name] == self.rank])
             buffers = writer.staging({name: p.asnumpy() for p, name in owned})   # semi-auto: this rank's slices
             self._copies[memory] = (buffers, [(p, buffers[name]) for p, name in owned])
         mine, copies = self._copies[memory]
@@ -249,9 +257,13 @@ class TrainerCheckpoints:
             prefix = f"rank{self.rank}/"
             mine = reader.load_tensors(path, manifest, shard=layout.shard_name(self.rank, manifest["world_size"]))
             tensors = {n.removeprefix(prefix): a for n, a in mine.items() if n.startswith(prefix)}
+            params = held(self.params)
+            if not params:
+                raise checkpointing.CheckpointError(f"{path} holds slices, and no parameter of rank {self.rank} is "
+                                                    "sliced yet: the step must be compiled before it loads")
         else:
-            tensors = reader.load_tensors(path, manifest)
-        set_parameters(self.params, tensors, source=str(path), error=checkpointing.CheckpointError)
+            tensors, params = reader.load_tensors(path, manifest), self.params
+        set_parameters(params, tensors, source=str(path), error=checkpointing.CheckpointError)
         self._load_run_state(state)
         self._emit("restored", step=state["step"], seconds=time.monotonic() - started, detail=str(path))
         return state

@@ -107,3 +107,51 @@ def test_the_grad_reducer_compiles_and_hands_back_the_accumulated_gradients(mind
     if not opt_shard:          # why ours exists: when this stops raising, engine/training/grad_reducer.py can go
         with pytest.raises(NameError, match="grads"):
             PipelineGradReducer(params, opt_shard=False)(grads)
+
+
+def test_a_sliced_save_writes_only_what_the_rank_holds_and_a_restore_keeps_the_slices(mindspore_cpu, tmp_path):
+    """Under semi-auto a rank saves the parameters its compiled step marked `sliced` (its stage's), not
+    another pipeline stage's never-trained full copies, and a restore keeps them marked: a parameter
+    `set_data` without the flag would be sliced again by a recompile."""
+    from mindspore import Parameter, Tensor
+
+    from checkpointing import layout, reader
+    from engine.rank.checkpoint import TrainerCheckpoints
+
+    cfg = load_config(None, LAYOUTS["pp"])
+    parallelism = decide(cfg)
+    assert parallelism.semi_auto
+
+    def params():
+        mine = Parameter(Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), name="model.layers.2.w")
+        theirs = Parameter(Tensor(np.full(4, 7.0, np.float32)), name="model.layers.0.w")
+        return mine, theirs
+
+    state = {"step": 5, "data_cursor": 80, "data_epoch": 0, "skip_ranges": [], "lr_overrides": [],
+             "quarantined_blocks": []}
+    loaded, events = [], []
+
+    def checkpoints(ps):
+        return TrainerCheckpoints(tmp_path / "checkpoints", cfg, params=list(ps), run_state=lambda: dict(state),
+                                  load_run_state=loaded.append, rank=0, world=1, generation=0, emit=events.append,
+                                  parallelism=parallelism)
+
+    mine, theirs = params()
+    mine.sliced = True                       # what the compile does to this stage's parameters
+    saver = checkpoints((mine, theirs))
+    saver.save({"loss": 1.0})
+    assert saver.wait(), [e.detail for e in events]
+    path = layout.step_dir(tmp_path / "checkpoints", 5)
+    assert sorted(reader.load_tensors(path, reader.read_manifest(path))) == ["rank0/model.layers.2.w"]
+
+    mine, theirs = params()
+    mine.set_data(Tensor(np.zeros((2, 3), np.float32)))
+    with pytest.raises(Exception, match="must be compiled before it loads"):
+        checkpoints((mine, theirs)).restore_latest(before_slices=lambda: None)
+
+    def compile_():
+        mine.sliced = True
+
+    assert checkpoints((mine, theirs)).restore_latest(before_slices=compile_)["step"] == 5
+    assert mine.sliced and np.array_equal(mine.asnumpy(), np.arange(6).reshape(2, 3))
+    assert not theirs.sliced and np.array_equal(theirs.asnumpy(), np.full(4, 7.0))
