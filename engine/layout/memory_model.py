@@ -22,7 +22,13 @@ engine/training/step.py, engine/training/optim.py), not a generic transformer:
   of the layers that do not recompute (and of one layer being rebuilt);
 - activations are the tensors autodiff keeps for the backward pass, listed
   per op (`layer_activation_bytes`), per micro-batch in flight: a 1F1B
-  pipeline's stage k holds min(pp - k, pipeline_microbatches) of them.
+  pipeline's stage k holds min(pp - k, pipeline_microbatches) of them;
+- with optimizer sharding each weight is all-gathered for the forward pass and
+  the gathered whole is kept until its backward pass (MindSpore recomputes that
+  all-gather only when `parallel_optimizer_comm_recompute` is set, which this
+  project does not), recomputed layers included: counted in fp32, as the
+  all-gather sits on the parameter before its cast (half that if MindSpore
+  moves it after the cast).
   A recomputed layer keeps only its input, and the backward pass rebuilds one
   layer at a time.
 """
@@ -82,12 +88,13 @@ class StageMemory:
     grad_accum: int
     optimizer: int
     weight_copies: int    # compute-dtype casts of the weights that the backward pass keeps (fp16/bf16)
+    gathered_weights: int  # optimizer sharding: each weight's all-gathered whole, kept from forward to backward
     activations: int
     comm_buffers: int
     runtime: int
 
-    PARTS = ("params", "grads", "grad_accum", "optimizer", "weight_copies", "activations", "comm_buffers",
-             "runtime")
+    PARTS = ("params", "grads", "grad_accum", "optimizer", "weight_copies", "gathered_weights", "activations",
+             "comm_buffers", "runtime")
 
     @property
     def total(self) -> int:
@@ -218,6 +225,7 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
             optimizer=8 * count // shard + STEP_SCALARS_BYTES,
             # a recomputed layer casts its weights again in the backward pass, one layer at a time
             weight_copies=0 if c == 4 else c * (count - max(recomputed - 1, 0) * layer_params),
+            gathered_weights=4 * count if shard > 1 else 0,
             activations=acts, comm_buffers=comm,
             runtime=RUNTIME_RESERVE_BYTES if reserve else 0))
     return stages

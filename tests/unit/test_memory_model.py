@@ -144,3 +144,16 @@ def test_dry_run_plays_the_first_rank_of_each_stage_and_reads_the_memory_pools_p
                               "Actual peak memory usage (with fragments): 49000M") == 49000 * 1024 ** 2
     assert dry_run.peak_bytes("nothing here") is None
     assert dry_run.toolkit_home({"ASCEND_HOME_PATH": "/nonexistent"}) is None or Path("/usr/local/Ascend").is_dir()
+
+
+def test_optimizer_sharding_keeps_each_gathered_weight_from_forward_to_backward():
+    """The parallel optimizer all-gathers each sharded weight for the forward pass and keeps the whole until
+    the backward pass, recomputed layers included: at 7B dp4 x tp2, 12.5 GiB of fp32 per device."""
+    big = ["parallel.device_memory_gib=10000"]
+    cfg = load_config(SEVEN_B, big)
+    assert cfg.parallel.optimizer_shard and cfg.parallel.dp == 4 and cfg.recompute_layers == cfg.model.num_layers
+    stage = mm.estimate(cfg)[0]
+    count = mm.stage_param_count(cfg.model, tp=2, pp=1, stage=0, layers=cfg.model.num_layers)
+    assert stage.gathered_weights == 4 * count and 12.4 < stage.gathered_weights / mm.GIB < 12.7
+    unsharded = mm.estimate(load_config(SEVEN_B, big + ["parallel.optimizer_shard=false"]))[0]
+    assert unsharded.gathered_weights == 0 and stage.total - stage.gathered_weights < unsharded.total
