@@ -267,9 +267,11 @@ def test_a_killed_daemons_ranks_that_saved_are_not_waited_for_while_they_tear_do
                    overrides=["run.kill_grace_s=600", "run.standby=false"])
     deadline = time.monotonic() + 30
     ranks = []
-    # both training, and recorded by the daemon (under load a rank may step before its daemon has written
-    # state.json: killed then, the next daemon could not know them)
-    while not (run / "logs" / "rank-1.log").exists() or '"kind": "step"' not in (run / "logs" / "rank-1.log").read_text() \
+    # both training (a rank that has not yet set its SIGTERM handler dies of the parent-death signal with
+    # nothing to save: under load rank 0 can be that far behind rank 1), and recorded by the daemon (a rank
+    # may step before its daemon has written state.json: killed then, the next daemon could not know them)
+    logs = [run / "logs" / f"rank-{r}.log" for r in (0, 1)]
+    while not all(f.exists() and '"kind": "step"' in f.read_text() for f in logs) \
             or len(ranks := [o for o in RunState.load(run).processes if o["role"] == "rank"]) < 2:
         assert time.monotonic() < deadline
         time.sleep(0.05)
