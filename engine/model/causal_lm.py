@@ -38,14 +38,25 @@ DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 
 
 class _Init:
-    """Deterministic numpy initialiser: the same seed gives the same weights on every rank."""
+    """Deterministic numpy initialiser: the same seed gives the same weights on every rank. `lazy` (semi-auto
+    parallel, built under engine.model.lazy_init.lazy_parameters): initializers that the compile runs on each
+    rank's slices only."""
 
-    def __init__(self, seed: int, std: float):
+    def __init__(self, seed: int, std: float, lazy: bool = False):
         self.rng = np.random.default_rng(seed)
         self.std = std
+        self.lazy = lazy
+        self.made = 0                        # weights drawn so far: a lazy weight's salt
 
     def normal(self, shape: tuple[int, ...], std: float | None = None) -> Tensor:
         std = self.std if std is None else std
+        if self.lazy:
+            from mindspore.common.initializer import initializer
+
+            from engine.model.lazy_init import SaltedNormal
+
+            self.made += 1
+            return initializer(SaltedNormal(std, salt=self.made), shape, ms.float32)
         return Tensor(self.rng.normal(0.0, std, size=shape).astype(np.float32))
 
     @staticmethod
@@ -311,9 +322,9 @@ class CausalLM(nn.Cell):
     fused_kernels: the CPU's fused C++ kernels (engine/model/fused_cpu.py), where they can be built."""
 
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False, fused_kernels: bool = False):
+                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False):
         super().__init__()
-        init = _Init(seed, cfg.init_std)
+        init = _Init(seed, cfg.init_std, lazy=lazy_init)
         dtype = DTYPES[compute_dtype]
         self.config = cfg
         fused = None
@@ -371,9 +382,9 @@ class InlinedCausalLM(CausalLM):
 
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False, fused_kernels: bool = False):
+                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False):
         super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers,
-                         explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels)
+                         explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels, lazy_init=lazy_init)
 
 
 def build_model(config, parallelism) -> CausalLM:
@@ -387,7 +398,7 @@ def build_model(config, parallelism) -> CausalLM:
     cpu = config.train.device == "cpu"
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
               recompute_layers=config.recompute_layers, explicit_broadcast=cpu,
-              fused_kernels=cpu and config.train.fused_kernels)
+              fused_kernels=cpu and config.train.fused_kernels, lazy_init=parallelism.semi_auto)
     sharding.apply_to_model(net, config, parallelism)
     return net
 

@@ -49,15 +49,13 @@ class Trainer:
     def __init__(self, cfg: Config, rank_info: runtime.RankInfo, *, generation: int = 0,
                  overrides: Sequence[schedule.LrOverride] = (),
                  source: order.CorpusSource | order.SyntheticSource | None = None):
-        from engine.model.causal_lm import build_model
-        from engine.training.step import build_step
+        from engine.training.step import build_network
 
         self.cfg, self.rank_info, self.generation = cfg, rank_info, generation
         self.overrides = list(overrides)
         self.parallelism = rank_info.parallelism
-        self.net = build_model(cfg, self.parallelism)
-        self.step_fn = build_step(self.net, cfg, self.parallelism, rank=rank_info.rank, world=rank_info.world_size,
-                                  local_world=rank_info.local_world_size)
+        self.net, self.step_fn = build_network(cfg, self.parallelism, rank=rank_info.rank,
+                                               world=rank_info.world_size, local_world=rank_info.local_world_size)
         self.source = source if source is not None else order.open_source(cfg)
         self.skips: list[tuple[int, int]] = []   # global sample ranges never trained on (set_skips)
         self.step = 0                      # optimizer steps completed

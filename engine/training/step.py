@@ -234,6 +234,17 @@ class TrainStep(StepState):
         """Nothing to do ahead: the first step compiles, and whole tensors load before it."""
 
 
+def build_network(cfg: Config, parallelism: parallel.Parallelism, **step_args):
+    """(the model, its step), built as a rank trains them: under semi-auto parallel inside
+    `lazy_parameters` (each rank initialises only its slices, at the compile)."""
+    from engine.model.causal_lm import build_model
+    from engine.model.lazy_init import lazy_parameters
+
+    with lazy_parameters(parallelism):
+        net = build_model(cfg, parallelism)
+        return net, build_step(net, cfg, parallelism, **step_args)
+
+
 def build_step(net: CausalLM, cfg: Config, parallelism: parallel.Parallelism, *, rank: int = 0, world: int = 1,
                local_world: int = 1, env: Mapping[str, str] = os.environ):
     """The step for the generation's decided parallel mode: the hand-reduced TrainStep under DATA_PARALLEL, the

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mindspore.common.initializer import Zero
 
-from contracts.config import load_config
+from contracts.config import load_config, with_changes
 from engine.layout.parallel import decide, micro_batches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,21 +42,20 @@ def _configs():
         yield pytest.param(path, SHRUNK + layers, id=path.stem)
 
 
-def _step(cfg):
-    from engine.model.causal_lm import build_model
-    from engine.training.step import build_step
+@pytest.fixture
+def _step(tmp_path):
+    """The model and the cell that holds its optimizer, built as a rank builds them (not compiled)."""
+    from engine.training.step import build_network
 
-    parallelism = decide(cfg)
-    net = build_model(cfg, parallelism)
-    if parallelism.semi_auto:
-        from engine.training.sharded_step import ShardedStep
-
-        return net, ShardedStep(net, cfg)
-    return net, build_step(net, cfg, parallelism)
+    def build(cfg):
+        cfg = with_changes(cfg, {"run.dir": str(tmp_path / "run")})     # where the step keeps its strategy files
+        net, step = build_network(cfg, decide(cfg))
+        return net, getattr(step, "cell", step)
+    return build
 
 
 @pytest.mark.parametrize("path,overrides", list(_configs()))
-def test_every_optimizer_state_is_a_clone_of_its_weight(mindspore_cpu, path, overrides):
+def test_every_optimizer_state_is_a_clone_of_its_weight(mindspore_cpu, _step, path, overrides):
     """MindSpore slices an optimizer state like its weight (tp, optimizer sharding) only if it is the
     weight's clone; a new Parameter keeps the full shape and fails to compile against the sliced gradient."""
     cfg = load_config(path, overrides)
@@ -68,11 +68,11 @@ def test_every_optimizer_state_is_a_clone_of_its_weight(mindspore_cpu, path, ove
             cloned = getattr(w.param_info, "cloned_obj", [])
             assert any(c is m for c in cloned), f"{m.name} is not a clone of {w.name}"
             assert m.name == f"{prefix}.{w.name}" and m.shape == w.shape and not m.requires_grad
-            assert not m.asnumpy().any()
+            assert isinstance(m.init_mode.init, Zero) if m.has_init else not m.asnumpy().any()
 
 
 @pytest.mark.parametrize("path,overrides", list(_configs()))
-def test_a_step_with_micro_batches_inlines_its_network_lazily(mindspore_cpu, path, overrides):
+def test_a_step_with_micro_batches_inlines_its_network_lazily(mindspore_cpu, _step, path, overrides):
     """With a pipeline's micro-batches or MindSpore's accumulation, the outermost network cell is
     `lazy_inline` (one compiled subgraph reused per micro-batch, not the network copied once per
     micro-batch); without micro-batches it is not."""
@@ -155,3 +155,42 @@ def test_a_sliced_save_writes_only_what_the_rank_holds_and_a_restore_keeps_the_s
     assert checkpoints((mine, theirs)).restore_latest(before_slices=compile_)["step"] == 5
     assert mine.sliced and np.array_equal(mine.asnumpy(), np.arange(6).reshape(2, 3))
     assert not theirs.sliced and np.array_equal(theirs.asnumpy(), np.full(4, 7.0))
+
+
+@pytest.mark.parametrize("path,overrides", list(_configs()))
+def test_a_semi_auto_rank_leaves_its_weights_for_the_compile_to_initialise_slice_by_slice(mindspore_cpu, _step,
+                                                                                         path, overrides):
+    """Under semi-auto every weight matrix and its moments are built as initializers, not data (the compile
+    initialises only the rank's slices: no rank holds the whole fp32 model and both moments in host memory);
+    a data-parallel build draws whole tensors, as before."""
+    from engine.model.lazy_init import SaltedNormal
+
+    cfg = load_config(path, overrides)
+    net, step = _step(cfg)
+    matrices = [p for p in net.trainable_params() if len(p.shape) >= 2]
+    states = [*step.optimizer.exp_avg, *step.optimizer.exp_avg_sq]
+    if not decide(cfg).semi_auto:
+        assert not any(p.has_init for p in [*matrices, *states])
+        return
+    assert all(p.has_init and isinstance(p.init_mode.init, SaltedNormal) for p in matrices), \
+        [p.name for p in matrices if not p.has_init]
+    of_matrices = [m for m in states if len(m.shape) >= 2]     # norms and biases are small, and made whole
+    assert all(m.has_init and isinstance(m.init_mode.init, Zero) for m in of_matrices)
+    salts = [p.init_mode.init.salt for p in matrices]
+    assert len(set(salts)) == len(salts)          # every weight its own draws
+
+
+def test_salted_normal_slices_agree_across_replicas_and_differ_across_weights_and_slices(mindspore_cpu):
+    """MindSpore seeds numpy with (slice index + global seed) before it initialises a slice; replicas of a
+    slice must draw the same values, two weights (or two slices) of one shape must not."""
+    from engine.model.lazy_init import SaltedNormal
+
+    def draw(salt, slice_index, seed=1234):
+        np.random.seed(slice_index + seed)
+        arr = np.empty((64, 32), np.float32)
+        SaltedNormal(0.02, salt)(arr)
+        return arr
+
+    assert np.array_equal(draw(3, 0), draw(3, 0))
+    assert not np.array_equal(draw(3, 0), draw(4, 0)) and not np.array_equal(draw(3, 0), draw(3, 1))
+    assert 0.018 < draw(3, 0).std() < 0.022 and abs(draw(3, 0).mean()) < 0.002
