@@ -210,7 +210,23 @@ def op_strategies(cfg: Config) -> dict[str, Strategy]:
         "pv": ((dp, tp, 1, 1), (dp, tp, 1, 1)),                    # (B, kv, rep*T, T) x (B, kv, T, d)
         "norm": ((dp, seq, 1), (1,)),                              # x * weight, (B, T, hidden)
         "residual": ((dp, seq, 1), (dp, seq, 1)),                  # x + f(x)
-        "loss": ((dp, tp), (dp,)),                                 # logits split by vocabulary
+    }
+
+
+def loss_strategies(cfg: Config) -> dict[str, Strategy]:
+    """Strategies of engine/model/parallel_loss.py's primitives, by attribute: the (rows, vocab) logits
+    split as the head leaves them, rows across dp and the vocabulary across tp; the per-row results
+    (rows, 1) across dp. OneHot's strategy is its output's, (rows, vocab), as MindSpore defines it."""
+    dp, tp = cfg.parallel.dp, cfg.parallel.tp
+    logits, rows = ((dp, tp),), ((dp, 1),)
+    return {
+        "max": logits, "exp": logits, "sum_exp": logits, "sum_picked": logits,
+        "shift": ((dp, tp), (dp, 1)),                  # x − its row's max
+        "log": rows,
+        "one_hot": ((dp, tp), (), ()),
+        "pick": ((dp, tp), (dp, tp)),
+        "nll": ((dp, 1), (dp, 1)),
+        "sum_rows": rows,                              # the rows' sum: all-reduced across dp
     }
 
 

@@ -322,7 +322,8 @@ class CausalLM(nn.Cell):
     fused_kernels: the CPU's fused C++ kernels (engine/model/fused_cpu.py), where they can be built."""
 
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False):
+                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False,
+                 vocab_parallel_loss: bool = False):
         super().__init__()
         init = _Init(seed, cfg.init_std, lazy=lazy_init)
         dtype = DTYPES[compute_dtype]
@@ -338,7 +339,12 @@ class CausalLM(nn.Cell):
                                                               compute_dtype=dtype)
         self.compute_dtype = dtype
         self.tied_matmul = ops.MatMul(transpose_b=True)
-        self.loss = NextTokenLoss()
+        if vocab_parallel_loss:          # semi-auto: the fused op below is batch-parallel (dp*tp times the gradient)
+            from engine.model.parallel_loss import VocabParallelCrossEntropy
+
+            self.loss = VocabParallelCrossEntropy()
+        else:
+            self.loss = NextTokenLoss()
         # Recompute (activation checkpointing) per layer, from the first: the backward
         # pass reruns these layers' forward instead of keeping their activations.
         for layer in list(self.model.layers)[:recompute_layers]:
@@ -361,7 +367,8 @@ class NextTokenLoss(nn.Cell):
     """Mean cross-entropy of (B, T, vocab) logits against (B, T) targets: a cell of its own, so a
     pipeline places it on the last stage, beside the head.
 
-    MindSpore's fused SparseSoftmaxCrossEntropyWithLogits: the same loss and gradient as
+    MindSpore's fused SparseSoftmaxCrossEntropyWithLogits (data parallel only: under semi-auto it is
+    batch-parallel, see engine/model/parallel_loss.py): the same loss and gradient as
     `ops.cross_entropy` (to ~1e-9 in fp32) in one kernel each way, where cross_entropy's
     x − logsumexp(x) with its gather and ReduceMax/Equal gradient took ~10x longer on CPU."""
 
@@ -382,9 +389,11 @@ class InlinedCausalLM(CausalLM):
 
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False):
+                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False,
+                 vocab_parallel_loss: bool = False):
         super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers,
-                         explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels, lazy_init=lazy_init)
+                         explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels, lazy_init=lazy_init,
+                         vocab_parallel_loss=vocab_parallel_loss)
 
 
 def build_model(config, parallelism) -> CausalLM:
@@ -398,7 +407,8 @@ def build_model(config, parallelism) -> CausalLM:
     cpu = config.train.device == "cpu"
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
               recompute_layers=config.recompute_layers, explicit_broadcast=cpu,
-              fused_kernels=cpu and config.train.fused_kernels, lazy_init=parallelism.semi_auto)
+              fused_kernels=cpu and config.train.fused_kernels, lazy_init=parallelism.semi_auto,
+              vocab_parallel_loss=parallelism.semi_auto)
     sharding.apply_to_model(net, config, parallelism)
     return net
 

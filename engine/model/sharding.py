@@ -2,7 +2,7 @@
 
 Owns: finding each primitive the strategies name (engine/model/causal_lm.py keeps them
 as attributes: Linear.matmul, Attention.qk/pv/softmax, RMSNorm.mul,
-DecoderLayer.add_attn/add_mlp, Embedding.gather) and setting its `shard`, and
+DecoderLayer.add_attn/add_mlp, Embedding.gather, VocabParallelCrossEntropy's ops) and setting its `shard`, and
 setting `pipeline_stage` on the cells that own parameters. Under
 DATA_PARALLEL it changes nothing: the CPU path's cells stay untouched.
 """
@@ -20,6 +20,7 @@ def apply_to_model(net: Any, cfg: Config, parallelism: parallel.Parallelism) -> 
         return {}
     matmuls, ops_ = parallel.matmul_strategies(cfg), parallel.op_strategies(cfg)
     row_out = parallel.row_parallel_out_strategy(cfg)
+    losses = parallel.loss_strategies(cfg)
     applied: dict[str, Any] = {}
     for name, cell in net.cells_and_names():
         role = name.rsplit(".", 1)[-1]
@@ -42,6 +43,10 @@ def apply_to_model(net: Any, cfg: Config, parallelism: parallel.Parallelism) -> 
         elif kind == "CausalLM" and cell.lm_head is None:            # tied: the head reads the embedding
             cell.tied_matmul.shard(matmuls["lm_head"])
             applied[name or "tied_head"] = matmuls["lm_head"]
+        elif kind == "VocabParallelCrossEntropy":
+            for attr, strategy in losses.items():
+                getattr(cell, attr).shard(strategy)
+            applied[name] = losses
         elif kind == "Embedding" and role == "embed_tokens":
             cell.gather.shard(ops_["embedding"])
             applied[name] = ops_["embedding"]

@@ -194,3 +194,86 @@ def test_salted_normal_slices_agree_across_replicas_and_differ_across_weights_an
     assert np.array_equal(draw(3, 0), draw(3, 0))
     assert not np.array_equal(draw(3, 0), draw(4, 0)) and not np.array_equal(draw(3, 0), draw(3, 1))
     assert 0.018 < draw(3, 0).std() < 0.022 and abs(draw(3, 0).mean()) < 0.002
+
+
+# The loss's gradient under a layout: a numpy model of how a semi-auto compile splits the loss's rows.
+# A primitive MindSpore registers as batch-parallel (BatchParallelInfo) splits its rows over every device
+# of the stage and reduces them on each device alone, with no communication: SparseSoftmaxCrossEntropy-
+# WithLogits returns each device's mean of its own rows. Any other reduction over a split axis is
+# all-reduced by the compiler and keeps its single-device meaning. The mirror operators then sum the
+# devices' gradients (gradients_mean off, sharded_step.py), so the update's gradient is that sum. Under
+# DATA_PARALLEL each rank takes the mean of its own dp slice and the step divides the all-reduced sum by dp
+# (Parallelism.reduction.divide_by).
+BATCH_PARALLEL = {"SparseSoftmaxCrossEntropyWithLogits"}
+
+
+def _primitives(cell):
+    from mindspore.ops import Primitive
+
+    return {name: value for name, value in vars(cell).get("_primitives", {}).items() if isinstance(value, Primitive)}
+
+
+def _loss_gradient_factor(loss_cell, dp: int, tp: int, divide_by: int = 1, rows: int = 32, vocab: int = 16) -> float:
+    """The update's gradient of the logits over the global-mean cross entropy's, as the devices of one
+    stage would compute it with `loss_cell`'s primitives (1.0: right under this layout)."""
+    rng = np.random.default_rng(0)
+    logits, targets = rng.normal(size=(rows, vocab)), rng.integers(0, vocab, rows)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    per_row = probs - np.eye(vocab)[targets]                 # d(row's loss)/d(its logits)
+    true = per_row / rows
+    batch_parallel = [n for n, p in _primitives(loss_cell).items() if type(p).__name__ in BATCH_PARALLEL]
+    devices = dp * tp
+    if batch_parallel:              # each device: the mean of its rows / devices rows, no communication
+        blocks = np.split(per_row, devices)
+        summed = np.concatenate([b / len(b) for b in blocks])
+    else:                           # the global sum's share of each device's (rows/dp, vocab/tp) block
+        summed = np.block([[b / rows for b in np.split(r, tp, axis=1)] for r in np.split(per_row, dp)])
+    return float(np.median(summed / divide_by / true))
+
+
+@pytest.mark.parametrize("path,overrides", list(_configs()))
+def test_the_loss_gradient_is_the_global_means_under_every_layout(mindspore_cpu, _step, path, overrides):
+    """Issue 34, item 2: under semi-auto the loss is built of primitives that keep their meaning when split,
+    the logits split by rows across dp and by vocabulary across tp (never gathered to the whole vocabulary),
+    so the gradient is the global mean's (factor 1), not dp·tp times it."""
+    from engine.layout.parallel import loss_strategies
+
+    cfg = load_config(path, overrides)
+    net, _ = _step(cfg)
+    dp, tp = cfg.parallel.dp, cfg.parallel.tp
+    assert _loss_gradient_factor(net.loss, dp, tp, decide(cfg).reduction.divide_by) == pytest.approx(1.0)
+    if not decide(cfg).semi_auto:
+        return
+    for name, prim in _primitives(net.loss).items():
+        assert prim.attrs.get("in_strategy") == loss_strategies(cfg)[name], f"loss.{name} ({type(prim).__name__})"
+        if name in ("max", "exp", "sum_exp", "pick", "one_hot"):         # over the logits: vocab split by tp
+            assert prim.attrs["in_strategy"][0] == (dp, tp)
+
+
+def test_the_fused_loss_would_scale_the_gradient_by_the_devices_that_split_its_rows(mindspore_cpu):
+    """The model above tells the two losses apart: the CPU's fused op, used under semi-auto, gives dp·tp."""
+    from engine.model.causal_lm import NextTokenLoss
+    from engine.model.parallel_loss import VocabParallelCrossEntropy
+
+    assert _loss_gradient_factor(NextTokenLoss(), 2, 4) == pytest.approx(8.0)
+    assert _loss_gradient_factor(VocabParallelCrossEntropy(), 2, 4) == pytest.approx(1.0)
+
+
+def test_the_vocab_parallel_loss_gives_the_fused_ops_loss_and_gradient(mindspore_cpu):
+    """Unsplit (stand-alone, as on one device) it is the same cross entropy as the CPU's fused op."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from engine.model.causal_lm import NextTokenLoss
+    from engine.model.parallel_loss import VocabParallelCrossEntropy
+
+    rng = np.random.default_rng(1)
+    logits = Tensor(rng.normal(0, 3, size=(2, 8, 50)).astype(np.float32))
+    targets = Tensor(rng.integers(0, 50, size=(2, 8)).astype(np.int32))
+    results = []
+    for cell in (NextTokenLoss(), VocabParallelCrossEntropy()):
+        loss, grad = ms.value_and_grad(cell, grad_position=0)(logits, targets)
+        results.append((float(loss.asnumpy()), grad.asnumpy()))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-8)
