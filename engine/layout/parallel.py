@@ -1,7 +1,7 @@
 """How `[parallel]` maps onto MindSpore: the parallel mode, its context, the data each rank feeds,
 who reduces the gradients, the per-op shard strategies and the pipeline's stages.
 
-Owns: the pure mapping (testable without MindSpore or devices). engine/layout_apply.py
+Owns: the pure mapping (testable without MindSpore or devices). engine/model/sharding.py
 applies it to a built model and engine/training/step.py follows its reduction plan.
 
 Two modes:
@@ -199,18 +199,50 @@ def row_parallel_out_strategy(cfg: Config) -> Strategy | None:
     return ((dp * tp, 1),) if cfg.parallel.sp else None
 
 
-def op_strategies(cfg: Config) -> dict[str, Strategy]:
-    """Strategies of the model's other primitives, by the attribute that holds them (engine/model/causal_lm.py)."""
+def cell_strategies(cfg: Config) -> dict[str, dict[str, Strategy]]:
+    """Strategies of every other primitive the model calls under semi-auto, by the class of the cell that
+    holds it, then by its attribute (engine/model/causal_lm.py): each consistent with its neighbours, so
+    the compiler inserts no redistribution inside a layer beyond the matmuls' own collectives (the ops a
+    strategy is missing from get MindSpore's default batch split, which undoes the head split and, under
+    sp, the token split)."""
     dp, tp = cfg.parallel.dp, cfg.parallel.tp
     seq = tp if cfg.parallel.sp else 1            # the tokens' split in the norms' region
+    tokens = (dp, seq, 1)                         # (B, T, hidden) outside the matmuls
+    heads = (dp, tp, 1, 1)                        # (B, heads, T, head_dim): split by heads
+    scores = (dp, tp, 1, 1, 1)                    # (B, kv, rep, T, T)
+    wide = (dp, 1, tp)                            # (B, T, intermediate): a column-parallel output
+    table = (1, 1)                                # rotary tables, the causal mask: whole on every device
+    norm = {"square": (tokens, tokens), "add_eps": (tokens, ()), "rsqrt": (tokens,),
+            "normalize": (tokens, tokens), "mul": (tokens, (1,))}
     return {
-        "embedding": ((tp, 1), (dp, 1)),                           # gather rows of a vocab-split table
-        "qk": ((dp, tp, 1, 1), (dp, tp, 1, 1)),                    # (B, kv, rep*T, d) x (B, kv, d, T)
-        "softmax": ((dp, tp, 1, 1, 1),),                           # (B, kv, rep, T, T)
-        "pv": ((dp, tp, 1, 1), (dp, tp, 1, 1)),                    # (B, kv, rep*T, T) x (B, kv, T, d)
-        "norm": ((dp, seq, 1), (1,)),                              # x * weight, (B, T, hidden)
-        "residual": ((dp, seq, 1), (dp, seq, 1)),                  # x + f(x)
+        "RMSNorm": {**norm, "mean": (tokens,)},
+        "LayerNorm": {**norm, "mean": (tokens,), "var": (tokens,), "centre": (tokens, tokens),
+                      "add_bias": (tokens, (1,))},
+        "Attention": {
+            "split_heads": ((dp, 1, tp, 1),),                   # (B, T, n, d) → (B, n, T, d)
+            "transpose_k": (heads,), "merge_heads": (heads,),
+            "rope_cos": (heads, table), "rope_sin": (heads, table), "rope_add": (heads, heads),
+            "upper_half": (heads,), "lower_half": (heads,), "negate": (heads,), "rotate": (heads, heads),
+            "qk": (heads, heads),                               # (B, kv, rep*T, d) x (B, kv, d, T)
+            "scale_scores": (scores, ()), "mask": (scores, table), "softmax": (scores,),
+            "pv": (heads, heads),                               # (B, kv, rep*T, T) x (B, kv, T, d)
+        },
+        "SwiGLU": {"silu": (wide,), "gate_times_up": (wide, wide)},
+        "GeluMLP": {"gelu": (wide,)},
+        "DecoderLayer": {"add_attn": (tokens, tokens), "add_mlp": (tokens, tokens)},   # the residuals
+        "DecoderModel": {"cut_table": (table,), "add_positions": (tokens, (seq, 1))},
+        "Embedding": {"gather": ((tp, 1), (dp, 1))},             # rows of a vocab-split table
+        "VocabParallelCrossEntropy": loss_strategies(cfg),
     }
+
+
+def bias_strategies(cfg: Config) -> dict[str, Strategy]:
+    """The bias add of a linear role (GPT-2): on its matmul's output, (tokens, features)."""
+    dp, tp = cfg.parallel.dp, cfg.parallel.tp
+    rows = dp * tp if cfg.parallel.sp else dp
+    out = {name: ((dp, tp), (tp,)) for name in COLUMN_PARALLEL}
+    out.update({name: ((rows, 1), (1,)) for name in ROW_PARALLEL})
+    return out
 
 
 def loss_strategies(cfg: Config) -> dict[str, Strategy]:

@@ -31,6 +31,7 @@ import math
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
+from mindspore.ops.auto_generate import SiLU
 
 from contracts.config import ModelConfig
 
@@ -74,13 +75,14 @@ class Linear(nn.Cell):
         self.bias = Parameter(init.const((out_features,), 0.0), name="bias") if bias else None
         self.compute_dtype = compute_dtype
         self.matmul = ops.MatMul(transpose_b=True)
+        self.add_bias = ops.Add()
 
     def construct(self, x):
         lead = x.shape[:-1]
         y = self.matmul(x.reshape(-1, x.shape[-1]).astype(self.compute_dtype),
                         self.weight.astype(self.compute_dtype))
         if self.bias is not None:
-            y = y + self.bias.astype(self.compute_dtype)
+            y = self.add_bias(y, self.bias.astype(self.compute_dtype))
         return y.reshape(lead + (-1,))
 
 
@@ -96,6 +98,10 @@ class RMSNorm(nn.Cell):
         self.eps = eps
         self.explicit = explicit_broadcast
         self.mul = ops.Mul()                 # x * weight: split along the tokens under sequence parallelism
+        # the plain form's primitives, each given a strategy under semi-auto (engine/model/sharding.py)
+        self.square, self.mean, self.add_eps = ops.Mul(), ops.ReduceMean(keep_dims=True), ops.Add()
+        self.rsqrt, self.normalize = ops.Rsqrt(), ops.Mul()
+        self.eps_t = Tensor(eps, ms.float32)
         self.fused = fused                   # engine.model.fused_cpu.FusedKernels, or None
         if fused is not None:
             self.eps_t = fused.scalar(eps)
@@ -104,8 +110,11 @@ class RMSNorm(nn.Cell):
         x = x.astype(ms.float32)
         if self.fused is not None:
             return self.fused.rms_norm(x, self.weight, self.eps_t)
-        inv_rms = ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
-        return self.mul(x * _like(inv_rms, x, self.explicit), _like(self.weight, x, self.explicit))
+        if self.explicit:
+            inv_rms = ops.rsqrt((x * x).mean(-1, keep_dims=True) + self.eps)
+            return self.mul(x * _like(inv_rms, x, True), _like(self.weight, x, True))
+        inv_rms = self.rsqrt(self.add_eps(self.mean(self.square(x, x), -1), self.eps_t))
+        return self.mul(self.normalize(x, inv_rms), self.weight)
 
 
 class LayerNorm(nn.Cell):
@@ -117,13 +126,22 @@ class LayerNorm(nn.Cell):
         self.bias = Parameter(_Init.const((size,), 0.0), name="bias")
         self.eps = eps
         self.explicit = explicit_broadcast
+        # the plain form's primitives, each given a strategy under semi-auto (engine/model/sharding.py)
+        self.mean, self.centre, self.square = ops.ReduceMean(keep_dims=True), ops.Sub(), ops.Mul()
+        self.var, self.add_eps, self.rsqrt = ops.ReduceMean(keep_dims=True), ops.Add(), ops.Rsqrt()
+        self.normalize, self.mul, self.add_bias = ops.Mul(), ops.Mul(), ops.Add()
+        self.eps_t = Tensor(eps, ms.float32)
 
     def construct(self, x):
         x = x.astype(ms.float32)
         e = self.explicit
-        centred = x - _like(x.mean(-1, keep_dims=True), x, e)
-        var = (centred * centred).mean(-1, keep_dims=True)
-        return centred * _like(ops.rsqrt(var + self.eps), x, e) * _like(self.weight, x, e) + _like(self.bias, x, e)
+        if e:
+            centred = x - _like(x.mean(-1, keep_dims=True), x, e)
+            var = (centred * centred).mean(-1, keep_dims=True)
+            return centred * _like(ops.rsqrt(var + self.eps), x, e) * _like(self.weight, x, e) + _like(self.bias, x, e)
+        centred = self.centre(x, self.mean(x, -1))
+        inv_std = self.rsqrt(self.add_eps(self.var(self.square(centred, centred), -1), self.eps_t))
+        return self.add_bias(self.mul(self.normalize(centred, inv_std), self.weight), self.bias)
 
 
 class Softmax(nn.Cell):
@@ -180,6 +198,12 @@ class Attention(nn.Cell):
         self.compute_dtype = compute_dtype
         # primitives, not functions, so semi-auto parallel can split them by heads (engine/model/sharding.py)
         self.qk, self.pv, self.softmax = ops.BatchMatMul(), ops.BatchMatMul(), ops.Softmax(-1)
+        self.split_heads, self.transpose_k, self.merge_heads = ops.Transpose(), ops.Transpose(), ops.Transpose()
+        self.rope_cos, self.rope_sin, self.rope_add = ops.Mul(), ops.Mul(), ops.Add()
+        self.upper_half, self.lower_half = ops.StridedSlice(), ops.StridedSlice()
+        self.negate, self.rotate = ops.Neg(), ops.Concat(-1)
+        self.scale_scores, self.mask = ops.Mul(), ops.Add()
+        self.scale_t = Tensor(self.scale, ms.float32)
         self.explicit = explicit_broadcast
         if explicit_broadcast:
             self.softmax = Softmax()
@@ -191,13 +215,18 @@ class Attention(nn.Cell):
 
     def _heads(self, x, n):
         b, t, _ = x.shape
-        return x.reshape(b, t, n, self.head_dim).transpose(0, 2, 1, 3)        # (B, n, T, d)
+        return self.split_heads(x.reshape(b, t, n, self.head_dim), (0, 2, 1, 3))     # (B, n, T, d)
 
     def _rope(self, x, cos, sin):
         if self.fused is not None:
             return self.fused.rope(x, cos, sin)
         if not self.explicit:
-            return x * cos + rotate_half(x) * sin
+            b, n, t, d = x.shape
+            half = d // 2
+            upper = self.upper_half(x, (0, 0, 0, half), (b, n, t, d), (1, 1, 1, 1))
+            lower = self.lower_half(x, (0, 0, 0, 0), (b, n, t, half), (1, 1, 1, 1))
+            rotated = self.rotate((self.negate(upper), lower))                  # rotate_half(x)
+            return self.rope_add(self.rope_cos(x, cos), self.rope_sin(rotated, sin))
         rotated = self.rotate(x.reshape(-1, self.head_dim), ops.stop_gradient(self.rotation)).reshape(x.shape)
         return x * ops.broadcast_to(cos, x.shape) + rotated * ops.broadcast_to(sin, x.shape)
 
@@ -215,16 +244,17 @@ class Attention(nn.Cell):
         # repeat_kv does, so fold each group's rep query heads into the row axis.
         cd = self.compute_dtype
         q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
-        scores = self.qk(q.astype(cd), k.astype(cd).transpose(0, 1, 3, 2)).astype(ms.float32)
+        scores = self.qk(q.astype(cd), self.transpose_k(k.astype(cd), (0, 1, 3, 2))).astype(ms.float32)
         if self.fused is not None:      # the scale and the causal mask inside the kernel
             probs = self.fused.causal_softmax(scores.reshape(b, kv * rep, t, t), self.scale_t)
-        else:
+        elif self.explicit:
             scores = scores.reshape(b, kv, rep, t, t) * self.scale             # (B, kv, rep, T, T)
-            scores = scores + _like(mask, scores, self.explicit)
-            probs = self.softmax(scores)
+            probs = self.softmax(scores + _like(mask, scores, True))
+        else:
+            probs = self.softmax(self.mask(self.scale_scores(scores.reshape(b, kv, rep, t, t), self.scale_t), mask))
         probs = probs.reshape(b, kv, rep * t, t)
         out = self.pv(probs.astype(cd), v.astype(cd))                         # (B, kv, rep*T, d)
-        out = out.reshape(b, self.num_heads, t, d).transpose(0, 2, 1, 3).reshape(b, t, self.num_heads * d)
+        out = self.merge_heads(out.reshape(b, self.num_heads, t, d), (0, 2, 1, 3)).reshape(b, t, self.num_heads * d)
         return self.o_proj(out).astype(ms.float32)
 
 
@@ -235,12 +265,13 @@ class SwiGLU(nn.Cell):
         self.gate_proj = Linear(init, h, f, compute_dtype=compute_dtype)
         self.up_proj = Linear(init, h, f, compute_dtype=compute_dtype)
         self.down_proj = Linear(init, f, h, std=out_std, compute_dtype=compute_dtype)
+        self.silu, self.gate_times_up = SiLU(), ops.Mul()
         self.fused = fused
 
     def construct(self, x):
         gate = self.gate_proj(x).astype(ms.float32)
         up = self.up_proj(x).astype(ms.float32)
-        product = self.fused.swiglu(gate, up) if self.fused is not None else ops.silu(gate) * up
+        product = self.fused.swiglu(gate, up) if self.fused is not None else self.gate_times_up(self.silu(gate), up)
         return self.down_proj(product).astype(ms.float32)
 
 
@@ -250,9 +281,10 @@ class GeluMLP(nn.Cell):
         h, f = cfg.hidden_size, cfg.intermediate_size
         self.up_proj = Linear(init, h, f, bias=True, compute_dtype=compute_dtype)
         self.down_proj = Linear(init, f, h, bias=True, std=out_std, compute_dtype=compute_dtype)
+        self.gelu = ops.GeLU()                  # the tanh approximation, as GPT-2's
 
     def construct(self, x):
-        return self.down_proj(ops.gelu(self.up_proj(x).astype(ms.float32), approximate="tanh")).astype(ms.float32)
+        return self.down_proj(self.gelu(self.up_proj(x).astype(ms.float32))).astype(ms.float32)
 
 
 class DecoderLayer(nn.Cell):
@@ -305,13 +337,24 @@ class DecoderModel(nn.Cell):
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, dtype=np.float32), k=1)
         self.causal_mask = Tensor(causal)
+        self.cut_table, self.add_positions = ops.StridedSlice(), ops.Add()
+
+    def _first(self, table, t, square: bool = False):
+        """table[:t] (table[:t, :t] when `square`: the mask), as a primitive semi-auto gives a strategy."""
+        return self.cut_table(table, (0, 0), (t, t if square else table.shape[1]), (1, 1))
 
     def construct(self, tokens):
         t = tokens.shape[1]
         x = self.embed_tokens(tokens)                                         # (B, T, hidden)
         if self.embed_positions is not None:
-            x = x + _like(self.embed_positions.weight[:t], x, self.explicit)
-        cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
+            if self.explicit:
+                x = x + _like(self.embed_positions.weight[:t], x, True)
+            else:
+                x = self.add_positions(x, self._first(self.embed_positions.weight, t))
+        if self.explicit:
+            cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
+        else:
+            cos, sin, mask = self._first(self.cos, t), self._first(self.sin, t), self._first(self.causal_mask, t, square=True)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)

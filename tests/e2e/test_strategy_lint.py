@@ -277,3 +277,66 @@ def test_the_vocab_parallel_loss_gives_the_fused_ops_loss_and_gradient(mindspore
         results.append((float(loss.asnumpy()), grad.asnumpy()))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-5, atol=1e-8)
+
+
+def _forward_problems(cfg, folder: Path) -> list[str]:
+    """Compiles the layout's model's forward loss on the CPU with its IR saved, and lints every primitive."""
+    import mindspore as ms
+    from mindspore import Tensor
+
+    from engine.model.causal_lm import build_model
+    from tests.e2e import strategy_lint
+
+    cfg = with_changes(cfg, {"train.precision": "fp32"})      # the CPU's kernels; the strategies are the same
+    net = build_model(cfg, decide(cfg))
+    rows, seq = cfg.train.micro_batch * cfg.parallel.dp, cfg.data.seq_len
+    tokens = Tensor(np.zeros((rows, seq), np.int32))
+    ms.set_context(save_graphs=1, save_graphs_path=str(folder))
+    try:
+        net.compile(tokens, tokens)
+    except RuntimeError:          # the CPU backend refuses lazy_inline's reused graph: after the IR we read
+        if not list(folder.glob("*_inline_*.ir")):
+            raise
+    finally:
+        ms.set_context(save_graphs=0)
+    nodes = strategy_lint.read_nodes(strategy_lint.forward_ir(folder))
+    assert len(nodes) > 50, f"only {len(nodes)} nodes read: has MindSpore's IR format changed?"
+    p = cfg.parallel
+    return strategy_lint.problems(nodes, devices=p.dp * p.tp, tp=p.tp)
+
+
+def _semi_auto_configs():
+    return [p for p in _configs() if decide(load_config(*p.values)).semi_auto]
+
+
+@pytest.mark.parametrize("path,overrides", _semi_auto_configs())
+def test_every_primitive_the_model_calls_has_a_strategy_that_fits(mindspore_cpu, tmp_path, monkeypatch, path,
+                                                                  overrides):
+    """Issue 34, item 3: every primitive of a semi-auto model's forward pass (read off the graph MindSpore
+    compiles) has a strategy of its inputs' ranks that divides their shapes within the stage's devices, or
+    is one the compiler lays out from its neighbours (Reshape, Cast, ...)."""
+    cfg = load_config(path, overrides)
+    monkeypatch.chdir(tmp_path)                    # MindSpore writes rank_0/ beside a failed compile
+    assert _forward_problems(cfg, tmp_path / "ir") == []
+
+
+def test_a_missing_or_misfit_strategy_is_named_with_its_op_and_cell(mindspore_cpu, tmp_path, monkeypatch):
+    """The lint fails where it should: a strategy dropped from SwiGLU's SiLU, one of the wrong rank on the
+    attention softmax, one that does not divide the heads on RoPE's cos multiply."""
+    from engine.layout import parallel
+
+    real = parallel.cell_strategies
+
+    def broken(cfg):
+        table = real(cfg)
+        del table["SwiGLU"]["silu"]
+        table["Attention"]["softmax"] = ((2, 2, 1, 1),)
+        table["Attention"]["rope_cos"] = ((1, 3, 1, 1), (1, 1))
+        return table
+
+    monkeypatch.setattr(parallel, "cell_strategies", broken)
+    monkeypatch.chdir(tmp_path)
+    found = _forward_problems(load_config(None, LAYOUTS["tp"]), tmp_path / "ir")
+    assert any(p.startswith("SiLU in ") and "mlp-SwiGLU" in p and "no strategy" in p for p in found), found
+    assert any(p.startswith("Softmax in ") and "self_attn-Attention" in p and "rank 5" in p for p in found), found
+    assert any(p.startswith("Mul in ") and "self_attn-Attention" in p and "does not divide" in p for p in found), found

@@ -15,7 +15,7 @@ from engine.layout.parallel import (
     matmul_strategies,
     micro_batches,
     mode,
-    op_strategies,
+    cell_strategies,
     resume_refusal,
     row_parallel_out_strategy,
 )
@@ -134,13 +134,16 @@ def test_megatron_column_and_row_strategies():
 
 
 def test_sequence_parallel_splits_the_norm_region_and_reduce_scatters_row_outputs():
-    s = op_strategies(ALL_THREE)
-    assert s["norm"] == ((2, 2, 1), (1,)) and s["residual"] == ((2, 2, 1), (2, 2, 1))
+    s = cell_strategies(ALL_THREE)
+    assert s["RMSNorm"]["mul"] == ((2, 2, 1), (1,)) and s["DecoderLayer"]["add_attn"] == ((2, 2, 1), (2, 2, 1))
+    assert all(strategy[0] == (2, 2, 1) for strategy in s["RMSNorm"].values())     # the whole norm, not its last op
     assert row_parallel_out_strategy(ALL_THREE) == ((4, 1),)
-    plain = op_strategies(_cfg("parallel.dp=2", "parallel.tp=2", "train.micro_batch=4", "train.grad_accum_steps=2"))
-    assert plain["norm"] == ((2, 1, 1), (1,))
-    assert plain["qk"] == ((2, 2, 1, 1), (2, 2, 1, 1))           # heads split across tp
-    assert plain["embedding"] == ((2, 1), (2, 1))
+    plain = cell_strategies(_cfg("parallel.dp=2", "parallel.tp=2", "train.micro_batch=4", "train.grad_accum_steps=2"))
+    assert plain["RMSNorm"]["mul"] == ((2, 1, 1), (1,))
+    assert plain["Attention"]["qk"] == ((2, 2, 1, 1), (2, 2, 1, 1))           # heads split across tp
+    assert plain["Attention"]["split_heads"] == ((2, 1, 2, 1),)              # (B, T, heads, d) before the transpose
+    assert plain["SwiGLU"]["silu"] == ((2, 1, 2),)                           # the column-parallel output's split
+    assert plain["Embedding"]["gather"] == ((2, 1), (2, 1))
 
 
 def test_stages_put_the_embedding_first_and_the_head_last():

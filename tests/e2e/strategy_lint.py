@@ -1,0 +1,131 @@
+"""The strategy lint's reading of a compiled forward graph (issue 34): every primitive a semi-auto model
+calls, with its strategy, its inputs' shapes and the cell that called it, read off the IR MindSpore
+saves when it compiles the model's forward pass on the CPU (stand-alone: the strategies are attributes
+the CPU ignores, the graph is the logical one a semi-auto compile partitions).
+
+`problems(nodes, devices, tp)` names each primitive that a semi-auto compile would split by MindSpore's
+default batch strategy (none set), or whose strategy does not fit its inputs: a length other than the
+input's rank, a split that does not divide its dimension, more devices than the stage has, or a
+batch-parallel-only operator where tp > 1 (it would reduce each device's own rows, unnoticed)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+
+# No strategy of their own: the compiler lays them out from their neighbours (or they move no data).
+LAYOUT_FREE = {"Reshape", "Cast", "Depend", "Load", "UpdateState", "MakeTuple", "TupleGetItem", "StopGradient",
+               "Switch", "Return", "Partial", "Shape", "ZerosLike", "OnesLike", "ExpandDims", "Squeeze",
+               "ScalarToTensor", "TupleToTensor", "TensorToTuple", "ListToTensor", "make_range"}
+# registered in MindSpore as BatchParallelInfo: split along the batch over every device, reduced locally
+BATCH_PARALLEL = {"SparseSoftmaxCrossEntropyWithLogits", "CheckValid"}
+# strategies that describe the output, not the inputs (MindSpore's OneHotInfo)
+OUTPUT_STRATEGY = {"OneHot"}
+
+_NODE = re.compile(r"^\s+%\S+ = (?:PrimFunc_)?(?P<op>[A-Za-z_][\w]*)\((?P<rest>.*)$")
+_TENSOR = re.compile(r"<Tensor\[\w+\], \(([\d, ]*)\)")
+_SCOPE = re.compile(r"# Fullname with scope: \((?P<scope>[^)]*)\)")
+
+
+@dataclasses.dataclass
+class Node:
+    op: str
+    scope: str
+    strategy: tuple | None
+    inputs: list[tuple[int, ...] | None]      # each input's shape; None: not a tensor
+    output: tuple[int, ...] | None
+
+    def where(self) -> str:
+        return f"{self.op} in {self.scope}"
+
+
+def forward_ir(folder: Path) -> Path:
+    """The saved IR after inlining: every primitive, with its cell's scope and its inputs' shapes."""
+    found = sorted(p for p in folder.glob("*.ir") if re.match(r"\d+_inline_\d+\.ir$", p.name))
+    if not found:
+        raise FileNotFoundError(f"no *_inline_*.ir under {folder}: MindSpore's IR dump names have changed")
+    return found[0]
+
+
+def read_nodes(ir: Path) -> list[Node]:
+    lines = ir.read_text().splitlines()
+    nodes = []
+    for i, line in enumerate(lines):
+        m = _NODE.match(line)
+        if not m or i + 2 >= len(lines) or not lines[i + 1].lstrip().startswith(":"):
+            continue
+        scope = _SCOPE.search(lines[i + 2])
+        inputs, output = _abstracts(lines[i + 1])
+        nodes.append(Node(op=m["op"], scope=scope["scope"] if scope else "?", strategy=_strategy(m["rest"]),
+                          inputs=inputs, output=output))
+    return nodes
+
+
+def _abstracts(line: str) -> tuple[list[tuple[int, ...] | None], tuple[int, ...] | None]:
+    """(each input's shape, the output's shape) from `: (<in>, ...) -> (<out>)`."""
+    ins, _, out = line.partition(") -> (")
+    shapes = []
+    for part in _split_top(ins.strip()[len(": ("):]):
+        if part.startswith("<Tuple[Tensor"):           # a tuple of tensors (Concat's input): its elements
+            shapes.extend(_shape(s) for s in re.findall(r"\(([\d, ]*)\)", part.partition("TupleShape")[2]))
+        else:
+            t = _TENSOR.match(part)
+            shapes.append(_shape(t.group(1)) if t else None)
+    t = _TENSOR.search(out)
+    return shapes, _shape(t.group(1)) if t else None
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def _split_top(text: str) -> list[str]:
+    """`<a>, <b, <c>>` → ['<a>', '<b, <c>>']: the comma-separated abstracts at the top level."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i].strip())
+            start = i + 1
+    if text[start:].strip():
+        parts.append(text[start:].strip())
+    return parts
+
+
+def _strategy(rest: str) -> tuple | None:
+    at = rest.find("in_strategy: ")
+    if at < 0:
+        return None
+    text, depth = rest[at + len("in_strategy: "):], 0
+    for end, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            break
+    value = eval(text[:end + 1].replace(")", ",)").replace("(,)", "()"), {})   # noqa: S307 (our own dump)
+    return tuple(tuple(s) for s in value)
+
+
+def problems(nodes: list[Node], devices: int, tp: int) -> list[str]:
+    out = []
+    for n in nodes:
+        tensors = [s for s in n.inputs if s is not None]
+        if n.op in LAYOUT_FREE or not n.op[0].isupper() or not any(tensors):   # graph calls; scalar-only arithmetic
+            continue
+        if n.op in BATCH_PARALLEL and tp > 1:
+            out.append(f"{n.where()}: batch-parallel only (each device reduces its own rows) under tp {tp}")
+            continue
+        if n.strategy is None:
+            out.append(f"{n.where()}: no strategy (MindSpore's default batch split would redistribute around it)")
+            continue
+        shapes = [n.output] if n.op in OUTPUT_STRATEGY else tensors
+        for k, (split, shape) in enumerate(zip(n.strategy, shapes)):
+            if len(split) != len(shape):
+                out.append(f"{n.where()}: strategy {split} for input {k} of rank {len(shape)} {shape}")
+            elif any(d % s for d, s in zip(shape, split)):
+                out.append(f"{n.where()}: strategy {split} does not divide input {k}'s shape {shape}")
+            elif math.prod(split) > devices:
+                out.append(f"{n.where()}: strategy {split} needs {math.prod(split)} devices, the stage has {devices}")
+    return out
