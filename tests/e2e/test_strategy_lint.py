@@ -23,6 +23,8 @@ LAYOUTS = {
     "pp": ASCEND + ["parallel.pp=2", "parallel.pipeline_microbatches=2", "train.micro_batch=4",
                     "train.grad_accum_steps=4"],
     "sp": ASCEND + ["parallel.tp=2", "parallel.sp=true", "train.micro_batch=1", "train.grad_accum_steps=16"],
+    "gpt2-tp-sp": ASCEND + ['model.arch="gpt2"', "model.num_kv_heads=8", "parallel.tp=2", "parallel.sp=true",
+                            "train.micro_batch=1", "train.grad_accum_steps=16"],
     "dp-tp-pp-sp": ASCEND + ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.pipeline_microbatches=4",
                              "parallel.sp=true", "parallel.optimizer_shard=true", "train.micro_batch=4",
                              "train.grad_accum_steps=2"],
