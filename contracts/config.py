@@ -129,6 +129,7 @@ class TrainConfig:
     seed: int = 1234               # parameter init
     compute_threads: int = 0       # intra-op threads per rank; 0 = this machine's cores / local ranks
     fused_kernels: bool = True     # cpu: RMSNorm, causal softmax, SwiGLU, RoPE as C++ kernels (g++, built once)
+    flash_attention: bool = True   # ascend: MindSpore's fused FlashAttentionScore (causal, GQA); cpu: always eager
     loss_scale_init: float = 65536.0     # fp16: initial dynamic loss scale
     loss_scale_window_steps: int = 1000  # fp16: clean steps before the scale doubles
     loss_scale_min: float = 1.0          # fp16: the scale never halves below this
@@ -551,6 +552,9 @@ def _check_cross_section(cfg: Config) -> None:
     if per_step != t.global_batch:
         _fail(f"train.global_batch = {t.global_batch} must equal train.micro_batch ({t.micro_batch}) x "
               f"train.grad_accum_steps ({t.grad_accum_steps}) x parallel.dp ({p.dp}) = {per_step}")
+    if t.device == "ascend" and t.flash_attention and m.head_dim % 16:
+        _fail(f"model.hidden_size / model.num_heads = {m.head_dim} (the head size) must be a multiple of 16 for "
+              "train.flash_attention = true (MindSpore's FlashAttentionScore); change the shape or set it to false")
     if p.tp > 1:
         for key in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
             if getattr(m, key) % p.tp:
@@ -707,7 +711,7 @@ _TRAJECTORY_NEUTRAL = {
     "model": {"init_from"},                 # read only when there is no checkpoint yet
     "data": {"verify_checksums", "prefetch_steps", "validation_path"},     # validation: measured, never trained on
     "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "recompute_num_layers", "compute_threads",
-              "fused_kernels", "log_interval_steps", "steps", "eval_interval_steps", "eval_batches"},
+              "fused_kernels", "flash_attention", "log_interval_steps", "steps", "eval_interval_steps", "eval_batches"},
     "parallel": "*", "checkpoint": "*", "health": "*", "run": "*",
 }
 

@@ -22,7 +22,8 @@ engine/training/step.py, engine/training/optim.py), not a generic transformer:
   of the layers that do not recompute (and of one layer being rebuilt);
 - activations are the tensors autodiff keeps for the backward pass, listed
   per op (`layer_activation_bytes`), per micro-batch in flight: a 1F1B
-  pipeline's stage k holds min(pp - k, pipeline_microbatches) of them;
+  pipeline's stage k holds min(pp - k, pipeline_microbatches) of them; on
+  Ascend attention is flash attention (no (T, T) scores kept), on the CPU eager;
 - with optimizer sharding each weight is all-gathered for the forward pass and
   the gathered whole is kept until its backward pass (MindSpore recomputes that
   all-gather only when `parallel_optimizer_comm_recompute` is set, which this
@@ -38,7 +39,7 @@ import dataclasses
 from typing import Iterable
 
 from contracts.config import Config, ModelConfig
-from engine.layout.parallel import layer_stages
+from engine.layout.parallel import flash_attention, layer_stages
 
 GIB = 1024 ** 3
 COMPUTE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
@@ -137,12 +138,14 @@ def total_param_count(m: ModelConfig) -> int:
 
 # Activations -----------------------------------------------------------------
 def layer_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_bytes: int, tp: int = 1,
-                           sp: bool = False) -> int:
+                           sp: bool = False, flash: bool = False) -> int:
     """Bytes one decoder layer keeps for its backward pass, for `batch` sequences of `seq` tokens.
 
     Tensor-parallel regions (attention heads, the MLP's inner width) divide by tp; the norms'
     and residuals' regions divide by tp only under sequence parallelism. Casts to the compute
-    dtype are free in fp32 (no copy) and keep a compute-dtype copy otherwise."""
+    dtype are free in fp32 (no copy) and keep a compute-dtype copy otherwise. `flash` (Ascend's
+    FlashAttentionScore): attention keeps its output and each row's softmax max and sum ((B, heads, T, 8)
+    fp32 each), not the (T, T) scores."""
     s, b, h, f, c = seq, batch, m.hidden_size, m.intermediate_size, compute_bytes
     heads, kv_width = m.num_heads // tp, m.num_kv_heads * m.head_dim // tp
     region = 1 if not sp else tp                     # divisor of the replicated (norm/residual) region
@@ -152,7 +155,10 @@ def layer_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_byte
     total += (4 + c) * sbh // region                 # norm 1: x * rsqrt (for its weight), its output in compute dtype
     total += c * sbh // tp                           # q after rotary, compute dtype
     total += 2 * c * s * b * kv_width                # k after rotary, v
-    total += (4 + c * cast) * b * heads * s * s      # softmax output (fp32) and its compute-dtype copy
+    if flash:
+        total += 2 * 4 * 8 * b * heads * s           # softmax_max, softmax_sum
+    else:
+        total += (4 + c * cast) * b * heads * s * s  # softmax output (fp32) and its compute-dtype copy
     total += c * sbh // tp                           # attention output, the o projection's input
     total += 4 * sbh // region                       # the residual after attention (norm 2's input)
     total += (4 + c) * sbh // region                 # norm 2, as norm 1
@@ -173,8 +179,12 @@ def head_activation_bytes(m: ModelConfig, *, seq: int, batch: int, compute_bytes
     return (4 + 4 + c) * s * b * h // region + 4 * 4 * s * b * m.vocab_size // tp
 
 
-def backward_workspace_bytes(m: ModelConfig, *, seq: int, batch: int, tp: int = 1) -> int:
-    """The largest gradient alive at once inside a layer's backward pass: the attention softmax's (fp32)."""
+def backward_workspace_bytes(m: ModelConfig, *, seq: int, batch: int, tp: int = 1, flash: bool = False,
+                             compute_bytes: int = 4) -> int:
+    """The largest gradient alive at once inside a layer's backward pass: the attention softmax's (fp32);
+    with `flash`, whose backward recomputes the scores tile by tile, the gradients of q, k and v."""
+    if flash:
+        return compute_bytes * batch * seq * (m.num_heads + 2 * m.num_kv_heads) * m.head_dim // tp
     return 4 * batch * (m.num_heads // tp) * seq * seq
 
 
@@ -189,7 +199,8 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
     batch = lay.micro_batch // lay.pipeline_microbatches if pp > 1 else lay.micro_batch
     in_flight = lambda k: min(pp - k, lay.pipeline_microbatches) if pp > 1 else 1
     reserve = (cfg.train.device == "ascend") if runtime is None else runtime
-    per_layer = layer_activation_bytes(m, seq=seq, batch=batch, compute_bytes=c, tp=tp, sp=lay.sp)
+    flash = flash_attention(cfg)
+    per_layer = layer_activation_bytes(m, seq=seq, batch=batch, compute_bytes=c, tp=tp, sp=lay.sp, flash=flash)
     kept_if_recomputed = 4 * seq * batch * m.hidden_size // (tp if lay.sp else 1)
     split, replicated = layer_param_counts(m, tp)
     layer_params = split + replicated
@@ -207,7 +218,7 @@ def estimate(cfg: Config, layout: Layout | None = None, *, runtime: bool | None 
         acts *= in_flight(k)
         if recomputed:
             acts += per_layer                   # the one layer rebuilt at a time in the backward pass
-        acts += backward_workspace_bytes(m, seq=seq, batch=batch, tp=tp)
+        acts += backward_workspace_bytes(m, seq=seq, batch=batch, tp=tp, flash=flash, compute_bytes=c)
         comm = 0
         if dp > 1:
             comm += min(4 * count, DP_BUCKET_BYTES)

@@ -47,6 +47,11 @@ ROW_PARALLEL = ("o_proj", "down_proj")
 Strategy = tuple[tuple[int, ...], ...]
 
 
+def flash_attention(cfg: Config) -> bool:
+    """Whether attention is MindSpore's fused FlashAttentionScore (Ascend only: it has no CPU kernel)."""
+    return cfg.train.device == "ascend" and cfg.train.flash_attention
+
+
 def mode(cfg: Config) -> str:
     p = cfg.parallel
     if cfg.train.device == "cpu" or (p.tp == 1 and p.pp == 1 and not p.optimizer_shard and not p.sp):
@@ -226,6 +231,7 @@ def cell_strategies(cfg: Config) -> dict[str, dict[str, Strategy]]:
             "qk": (heads, heads),                               # (B, kv, rep*T, d) x (B, kv, d, T)
             "scale_scores": (scores, ()), "mask": (scores, table), "softmax": (scores,),
             "pv": (heads, heads),                               # (B, kv, rep*T, T) x (B, kv, T, d)
+            **({"flash": (heads, heads, heads, table)} if flash_attention(cfg) else {}),   # q, k, v, the mask
         },
         "SwiGLU": {"silu": (wide,), "gate_times_up": (wide, wide)},
         "GeluMLP": {"gelu": (wide,)},

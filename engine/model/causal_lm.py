@@ -18,7 +18,9 @@ on a (B,kv,rep,T,T) + (T,T) mask add, RoPE's (T,d) tables, RMSNorm's weight, and
 the Sub in Softmax's stock gradient), which multiplied small-20m's step memory. The
 smaller operand is broadcast first (`ops.broadcast_to`), Softmax gets a gradient
 written that way, and rotate-half is a ±1 permutation matmul; the numbers are
-bit-identical. Ascend keeps the plain forms, which its parallel strategies name.
+bit-identical. Ascend keeps the plain forms, every primitive of which its parallel
+strategies name (engine/model/sharding.py), and its attention is MindSpore's fused
+FlashAttentionScore (`train.flash_attention`, the default there): no (T, T) scores kept.
 
 On the CPU with `train.fused_kernels` (the default), RMSNorm, the causal softmax (with its scale and
 mask), SwiGLU's product and RoPE are each one C++ kernel forward and one backward (engine/model/fused_cpu.py),
@@ -184,7 +186,7 @@ def rotate_half(x):
 
 class Attention(nn.Cell):
     def __init__(self, cfg: ModelConfig, init: _Init, out_std: float, compute_dtype, rotary: bool,
-                 explicit_broadcast: bool = False, fused=None):
+                 explicit_broadcast: bool = False, fused=None, flash: bool = False):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         bias = cfg.arch == "gpt2"
@@ -204,6 +206,12 @@ class Attention(nn.Cell):
         self.negate, self.rotate = ops.Neg(), ops.Concat(-1)
         self.scale_scores, self.mask = ops.Mul(), ops.Add()
         self.scale_t = Tensor(self.scale, ms.float32)
+        self.flash = None
+        if flash:          # Ascend: causal (the compressed 2048 x 2048 mask of sparse mode 2), GQA by kv heads
+            from mindspore.ops.operations.nn_ops import FlashAttentionScore
+
+            self.flash = FlashAttentionScore(head_num=cfg.num_heads, scale_value=self.scale, pre_tokens=2147483647,
+                                             next_tokens=0, input_layout="BNSD", sparse_mode=2)
         self.explicit = explicit_broadcast
         if explicit_broadcast:
             self.softmax = Softmax()
@@ -243,6 +251,10 @@ class Attention(nn.Cell):
         # gradient on CPU): query head h uses kv head h // rep, as Hugging Face's
         # repeat_kv does, so fold each group's rep query heads into the row axis.
         cd = self.compute_dtype
+        if self.flash is not None:      # `mask` is the flash kernel's (engine.model.causal_lm.DecoderModel)
+            out = self.flash(q.astype(cd), k.astype(cd), v.astype(cd), None, None, None, mask)[3]   # (B, n, T, d)
+            out = self.merge_heads(out, (0, 2, 1, 3)).reshape(b, t, self.num_heads * d)
+            return self.o_proj(out).astype(ms.float32)
         q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
         scores = self.qk(q.astype(cd), self.transpose_k(k.astype(cd), (0, 1, 3, 2))).astype(ms.float32)
         if self.fused is not None:      # the scale and the causal mask inside the kernel
@@ -289,7 +301,7 @@ class GeluMLP(nn.Cell):
 
 class DecoderLayer(nn.Cell):
     def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False,
-                 fused=None):
+                 fused=None, flash: bool = False):
         super().__init__()
         out_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
         llama = cfg.arch == "llama"
@@ -297,7 +309,7 @@ class DecoderLayer(nn.Cell):
         e = explicit_broadcast
         self.input_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e, fused)
         self.self_attn = Attention(cfg, init, out_std, compute_dtype, rotary=llama, explicit_broadcast=e,
-                                   fused=fused)
+                                   fused=fused, flash=flash)
         self.post_attention_layernorm = norm(cfg.hidden_size, cfg.norm_eps, e, fused)
         self.mlp = (SwiGLU if llama else GeluMLP)(cfg, init, out_std, compute_dtype, fused)
         self.add_attn, self.add_mlp = ops.Add(), ops.Add()     # the residuals (split like the norms)
@@ -323,13 +335,13 @@ class DecoderModel(nn.Cell):
     """The trunk, named like Hugging Face's `LlamaModel` (`model.` prefix in the full network)."""
 
     def __init__(self, cfg: ModelConfig, init: _Init, compute_dtype, explicit_broadcast: bool = False,
-                 fused=None):
+                 fused=None, flash: bool = False):
         super().__init__()
         self.explicit = explicit_broadcast
         self.embed_tokens = Embedding(init.normal((cfg.vocab_size, cfg.hidden_size)))
         self.embed_positions = (Embedding(init.normal((cfg.max_seq_len, cfg.hidden_size)))
                                 if cfg.arch == "gpt2" else None)
-        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype, explicit_broadcast, fused)
+        self.layers = nn.CellList([DecoderLayer(cfg, init, compute_dtype, explicit_broadcast, fused, flash)
                                    for _ in range(cfg.num_layers)])
         self.norm = (RMSNorm if cfg.arch == "llama" else LayerNorm)(cfg.hidden_size, cfg.norm_eps,
                                                                     explicit_broadcast, fused)
@@ -337,6 +349,8 @@ class DecoderModel(nn.Cell):
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, dtype=np.float32), k=1)
         self.causal_mask = Tensor(causal)
+        # flash attention's causal mask, compressed (sparse mode 2): 1 above the diagonal, whatever the length
+        self.flash_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), k=1)) if flash else None
         self.cut_table, self.add_positions = ops.StridedSlice(), ops.Add()
 
     def _first(self, table, t, square: bool = False):
@@ -354,7 +368,8 @@ class DecoderModel(nn.Cell):
         if self.explicit:
             cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
         else:
-            cos, sin, mask = self._first(self.cos, t), self._first(self.sin, t), self._first(self.causal_mask, t, square=True)
+            cos, sin = self._first(self.cos, t), self._first(self.sin, t)
+            mask = self.flash_mask if self.flash_mask is not None else self._first(self.causal_mask, t, square=True)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)
@@ -366,7 +381,7 @@ class CausalLM(nn.Cell):
 
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
                  explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False,
-                 vocab_parallel_loss: bool = False):
+                 vocab_parallel_loss: bool = False, flash_attention: bool = False):
         super().__init__()
         init = _Init(seed, cfg.init_std, lazy=lazy_init)
         dtype = DTYPES[compute_dtype]
@@ -377,7 +392,7 @@ class CausalLM(nn.Cell):
 
             fused = fused_cpu.kernels()
         self.fused = fused is not None
-        self.model = DecoderModel(cfg, init, dtype, explicit_broadcast, fused)
+        self.model = DecoderModel(cfg, init, dtype, explicit_broadcast, fused, flash_attention)
         self.lm_head = None if cfg.tie_embeddings else Linear(init, cfg.hidden_size, cfg.vocab_size,
                                                               compute_dtype=dtype)
         self.compute_dtype = dtype
@@ -433,10 +448,10 @@ class InlinedCausalLM(CausalLM):
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
                  explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False,
-                 vocab_parallel_loss: bool = False):
+                 vocab_parallel_loss: bool = False, flash_attention: bool = False):
         super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers,
                          explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels, lazy_init=lazy_init,
-                         vocab_parallel_loss=vocab_parallel_loss)
+                         vocab_parallel_loss=vocab_parallel_loss, flash_attention=flash_attention)
 
 
 def build_model(config, parallelism) -> CausalLM:
@@ -444,14 +459,14 @@ def build_model(config, parallelism) -> CausalLM:
     generation's decided `parallelism`, engine.layout.parallel.decide)."""
     from engine.model import sharding
 
-    from engine.layout.parallel import micro_batches
+    from engine.layout.parallel import flash_attention, micro_batches
 
     cls = InlinedCausalLM if parallelism.semi_auto and micro_batches(config) > 1 else CausalLM
     cpu = config.train.device == "cpu"
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
               recompute_layers=config.recompute_layers, explicit_broadcast=cpu,
               fused_kernels=cpu and config.train.fused_kernels, lazy_init=parallelism.semi_auto,
-              vocab_parallel_loss=parallelism.semi_auto)
+              vocab_parallel_loss=parallelism.semi_auto, flash_attention=flash_attention(config))
     sharding.apply_to_model(net, config, parallelism)
     return net
 

@@ -10,7 +10,7 @@ from engine.layout import memory_model as mm
 from engine.layout.parallel import decide
 
 ROOT = Path(__file__).resolve().parents[2]
-ASCEND = ['train.device="ascend"', 'train.precision="bf16"', "model.num_heads=8", "model.num_kv_heads=4",
+ASCEND = ["model.hidden_size=128", 'train.device="ascend"', 'train.precision="bf16"', "model.num_heads=8", "model.num_kv_heads=4",
           "model.num_layers=4", "train.global_batch=16"]
 TP = ASCEND + ["parallel.dp=2", "parallel.tp=2", "train.micro_batch=4", "train.grad_accum_steps=2"]
 PP = ASCEND + ["parallel.pp=2", "parallel.pipeline_microbatches=2", "train.micro_batch=4", "train.grad_accum_steps=4"]

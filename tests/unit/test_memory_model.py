@@ -70,9 +70,32 @@ def test_activations_follow_batch_and_shrink_with_recompute_sp_and_tp():
     assert acts(*one_row, "parallel.sp=true") < acts(*one_row)
 
 
+def test_flash_attention_keeps_no_sequence_squared_scores():
+    """On Ascend (the default there) attention keeps its softmax's max and sum per row, not the (T, T)
+    probabilities: at 7B, seq 4096, micro-batch 1, tp 2, that is 3 GiB per layer less (32 heads / 2 x
+    4096^2 x (4 + 2) bytes, against 16 x 4096 x 64 bytes)."""
+    m = load_config(SEVEN_B, []).model
+    eager, flash = (mm.layer_activation_bytes(m, seq=4096, batch=1, compute_bytes=2, tp=2, flash=f) for f in (0, 1))
+    assert eager - flash == 16 * 4096 * 4096 * 6 - 16 * 4096 * 64
+    on, off = (mm.estimate(load_config(SEVEN_B, [f"train.flash_attention={v}", "train.recompute=false",
+                                                 "parallel.device_memory_gib=10000"]))[0] for v in ("true", "false"))
+    assert off.activations - on.activations > 32 * (eager - flash)      # every layer, and the backward's workspace
+    assert load_config(None, ASCEND + ["train.flash_attention=true"]).train.flash_attention      # head size 16: fine
+
+
+def test_flash_attention_needs_a_head_size_of_a_multiple_of_16():
+    with pytest.raises(ConfigError, match=r"model.hidden_size / model.num_heads = 8 \(the head size\) must be a "
+                                          r"multiple of 16 for train.flash_attention = true"):
+        load_config(None, ASCEND + ["model.num_heads=8", "model.num_kv_heads=4"])
+    assert not load_config(None, ASCEND + ["model.num_heads=8", "model.num_kv_heads=4",
+                                           "train.flash_attention=false"]).train.flash_attention
+    load_config(None, ["model.num_heads=8", "model.num_kv_heads=4"])          # the CPU's attention is eager
+
+
 def test_a_1f1b_pipeline_holds_more_micro_batches_on_its_first_stage():
     stages = mm.estimate(load_config(THIRTEEN_B, ["train.recompute=false", "parallel.device_memory_gib=10000"]))
-    per_layer = mm.layer_activation_bytes(load_config(THIRTEEN_B, []).model, seq=4096, batch=1, compute_bytes=2, tp=4)
+    per_layer = mm.layer_activation_bytes(load_config(THIRTEEN_B, []).model, seq=4096, batch=1, compute_bytes=2, tp=4,
+                                          flash=True)
     assert stages[0].activations >= 2 * 20 * per_layer           # pp 2: stage 0 holds 2 micro-batches of 20 layers
     assert stages[1].activations < stages[0].activations
 

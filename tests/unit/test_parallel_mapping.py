@@ -20,7 +20,7 @@ from engine.layout.parallel import (
     row_parallel_out_strategy,
 )
 
-ASCEND = ['train.device="ascend"', 'train.precision="bf16"']
+ASCEND = ['train.device="ascend"', 'train.precision="bf16"', "train.flash_attention=false"]
 # a model every layout below divides: 8 heads, 4 kv heads, 4 layers, vocab 512, global batch 16
 SHAPE = ["model.num_heads=8", "model.num_kv_heads=4", "model.num_layers=4", "model.hidden_size=64",
          "model.intermediate_size=128", "train.global_batch=16"]
