@@ -11,7 +11,7 @@ from contracts.errors import ConfigError
 
 _DTYPES = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
 # keys that only steer mindformers' own runtime (nothing to map, nothing lost for training)
-_RUNTIME = {"type", "batch_size", "use_past", "use_flash_attention", "layernorm_compute_type",
+_RUNTIME = {"type", "batch_size", "use_past", "layernorm_compute_type",
             "softmax_compute_type", "rotary_dtype", "param_init_type", "pad_token_id", "bos_token_id",
             "eos_token_id", "ignore_token_id", "checkpoint_name_or_path", "repetition_penalty", "max_decode_length",
             "top_k", "top_p", "do_sample", "is_dynamic", "block_size", "num_blocks", "offset",
@@ -81,6 +81,9 @@ def _model(doc: dict[str, Any], get: _Read) -> tuple[dict[str, Any], dict[str, A
              "tie_embeddings": bool(get(mc, "model.model_config", "tie_word_embeddings", False))}
     train: dict[str, Any] = {"precision": _DTYPES.get(get(mc, "model.model_config", "compute_dtype", "float16"),
                                                       "fp16")}
+    flash = get(mc, "model.model_config", "use_flash_attention")
+    if flash is not None:
+        train["flash_attention"] = bool(flash)
     return model, train, seq
 
 

@@ -22,6 +22,9 @@ def test_a_mindformers_llama2_7b_yaml_maps_onto_the_config_and_lists_what_it_did
     assert (p.dp, p.tp, p.pp) == (8, 1, 1) and cfg.run.name == "llama2_7b"
     assert "parallel_config.vocab_emb_dp" in unmapped and "runner_config.epochs" in unmapped
     assert "model.model_config.hidden_size" not in unmapped and "model.model_config.use_past" not in unmapped
+    assert t.flash_attention is True and "model.model_config.use_flash_attention" not in unmapped
+    doc["model"]["model_config"]["use_flash_attention"] = False
+    assert import_config.convert(doc)[0].train.flash_attention is False
     out = tmp_path / "llama2_7b.toml"
     out.write_text(import_config.to_toml(cfg, unmapped, "pretrain_llama2_7b.yaml"))
     assert load_config(out) == cfg                            # the TOML written is a valid config of its own
