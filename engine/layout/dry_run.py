@@ -9,6 +9,12 @@ layout's devices, `RANK_ID` = the stage's first rank); each compiles the real
 step for the real layout and reports the memory its graph would allocate. The
 rank trains one simulated step and saves nothing (engine/rank/trainer.py).
 
+Before that, every rank's graph is compiled at `MS_SIMULATION_LEVEL=0` (the
+frontend and the parallel passes only, on the CPU): what a semi-auto layout
+gets wrong — a strategy that does not fit, an optimizer state shaped unlike its
+sliced weight, a construct that does not parse — fails there, per rank, in
+seconds to minutes instead of at the cluster's first step.
+
 Where the toolkit is missing it says so plainly (exit 69) — MindSpore refuses a
 distributed dry run on the CPU backend.
 """
@@ -28,6 +34,7 @@ from engine.layout.memory_model import GIB, Layout, estimate
 TOOLKIT_ENV = ("ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME")
 TOOLKIT_DIRS = ("/usr/local/Ascend/ascend-toolkit/latest", "/usr/local/Ascend/cann")
 SIMULATION_LEVEL = "1"          # compile, infer shapes and allocate (in simulation): memory is known
+COMPILE_LEVEL = "0"             # compile the graph only: every rank's, on the CPU
 # the memory pool's summary: "Actual peak memory usage (with fragments): 48874M" (MindFormers' dry-run guide;
 # "Used peak memory usage (without fragments)" beside it), or the pool's "actual peak used mem: 1300M"
 _PEAK = re.compile(r"actual peak (?:used )?mem(?:ory)?(?: usage)?(?: \([^)]*\))?\s*:\s*([\d.]+)\s*([KMGT]?)B?",
@@ -69,11 +76,36 @@ def stage_command(config: str | None, overrides: list[str], workdir: Path) -> li
     return argv
 
 
-def stage_env(layout: Layout, rank: int, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+def stage_env(layout: Layout, rank: int, base: Mapping[str, str] = os.environ,
+              level: str = SIMULATION_LEVEL) -> dict[str, str]:
     env = {k: v for k, v in base.items() if not k.startswith("MS_ROLE")}
-    env.update({"MS_SIMULATION_LEVEL": SIMULATION_LEVEL, "RANK_SIZE": str(layout.devices), "RANK_ID": str(rank),
+    env.update({"MS_SIMULATION_LEVEL": level, "RANK_SIZE": str(layout.devices), "RANK_ID": str(rank),
                 "GLOG_v": "1", "GLOG_logtostderr": "1"})
     return env
+
+
+def _simulate(config: str | None, overrides: list[str], layout: Layout, rank: int, level: str,
+              timeout_s: float) -> subprocess.CompletedProcess:
+    with tempfile.TemporaryDirectory(prefix="llm-pretrain-dryrun-") as tmp:
+        return subprocess.run(stage_command(config, overrides, Path(tmp)), env=stage_env(layout, rank, level=level),
+                              capture_output=True, text=True, timeout=timeout_s)
+
+
+def _last_line(done: subprocess.CompletedProcess) -> str:
+    return (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or ["no output"])[-1]
+
+
+def compile_every_rank(config: str | None, overrides: list[str], layout: Layout, *, timeout_s: float) -> bool:
+    """Each rank's graph compiled at MS_SIMULATION_LEVEL=0; prints one line per rank that fails."""
+    print(f"\ngraph compile of every rank (MS_SIMULATION_LEVEL={COMPILE_LEVEL}): {layout.devices} ranks")
+    failed = 0
+    for rank in range(layout.devices):
+        done = _simulate(config, overrides, layout, rank, COMPILE_LEVEL, timeout_s)
+        if done.returncode != 0:
+            failed += 1
+            print(f"  rank {rank}: exit {done.returncode}: {_last_line(done)}")
+    print(f"  {layout.devices - failed} of {layout.devices} ranks compiled")
+    return failed == 0
 
 
 def run(config: str | None, overrides: list[str], cfg: Config, layout: Layout, *, timeout_s: float = 3600.0) -> None:
@@ -83,18 +115,17 @@ def run(config: str | None, overrides: list[str], cfg: Config, layout: Layout, *
         raise DryRunUnavailableError(
             "plan --dry-run needs the Ascend toolkit (CANN) and MindSpore's Ascend build on this host (looked at "
             f"${', $'.join(TOOLKIT_ENV)} and {', '.join(TOOLKIT_DIRS)}); the estimate above needs neither")
+    compile_every_rank(config, overrides, layout, timeout_s=timeout_s)
     estimated = estimate(cfg, layout, runtime=True)
     print(f"\ndry run: MindSpore's simulation compile (MS_SIMULATION_LEVEL={SIMULATION_LEVEL}, toolkit {home}), "
           f"one process per pipeline stage")
     for stage, rank in enumerate(stage_ranks(layout)):
-        with tempfile.TemporaryDirectory(prefix="llm-pretrain-dryrun-") as tmp:
-            done = subprocess.run(stage_command(config, overrides, Path(tmp)), env=stage_env(layout, rank),
-                                  capture_output=True, text=True, timeout=timeout_s)
+        done = _simulate(config, overrides, layout, rank, SIMULATION_LEVEL, timeout_s)
         peak = peak_bytes(done.stdout + done.stderr)
         mine = estimated[stage].total
         if peak is None:
-            tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"  stage {stage} (rank {rank}): no peak memory reported (exit {done.returncode}): {tail}")
+            print(f"  stage {stage} (rank {rank}): no peak memory reported (exit {done.returncode}): "
+                  f"{_last_line(done)}")
             continue
         print(f"  stage {stage} (rank {rank}): compiler {peak / GIB:.2f} GiB, estimate {mine / GIB:.2f} GiB "
               f"({(mine - peak) / peak:+.0%})")

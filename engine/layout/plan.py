@@ -25,6 +25,7 @@ from engine.layout.memory_model import (
     peak,
     total_param_count,
 )
+from engine.layout.parallel import SEMI_AUTO, mode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,6 +215,11 @@ def report(cfg: Config, devices: int, hw: Hardware, *, layout: Layout | None = N
             lines += ["", *memory_table(stages), "",
                       f"  {'fits' if fits else 'DOES NOT FIT'}: {worst.total / GIB:.1f} of {hw.memory_gib:g} GiB "
                       f"on stage {worst.stage}; about {tokens_per_second(cfg, lay, hw):,.0f} tokens/s"]
+            per_rank = max(s.params + s.optimizer for s in stages)
+            ranks = min(devices, hw.devices_per_node)
+            lines.append(f"  host memory to initialise: {per_rank / GIB:.1f} GiB per rank, {ranks * per_rank / GIB:.1f} "
+                         f"per machine of {ranks} (each rank's {'slices' if mode(config_with(cfg, lay)) == SEMI_AUTO else 'copy'} of "
+                         "the fp32 weights and both moments; MindSpore's own per process not counted)")
             if not fits:
                 verdict = (f"it needs about {worst.total / GIB:.1f} GiB per device (stage {worst.stage}), more than "
                            f"{hw.memory_gib:g} GiB")

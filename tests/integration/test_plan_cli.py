@@ -63,3 +63,22 @@ def test_run_refuses_an_ascend_layout_that_cannot_fit_before_starting_anything(c
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "parallel.device_memory_gib = 16" in lines[0] and "llm-pretrain plan" in lines[0]
     assert not (tmp_path / "r").exists()
+
+
+def test_the_dry_run_compiles_every_ranks_graph_first_and_names_the_ranks_that_fail(monkeypatch, capsys):
+    """`plan --dry-run` (Ascend hosts) compiles each rank's graph at MS_SIMULATION_LEVEL=0 before the
+    per-stage memory simulation: here each "rank" is a real process that fails as rank 2 of level 0."""
+    import sys
+
+    from contracts.config import load_config
+    from engine.layout import dry_run
+    from engine.layout.memory_model import Layout
+
+    script = ("import os, sys; print('compiling'); sys.stderr.write('strategy of MatMul-op3 does not fit\\n'); "
+              "sys.exit(3 if os.environ['RANK_ID'] == '2' and os.environ['MS_SIMULATION_LEVEL'] == '0' else 0)")
+    monkeypatch.setattr(dry_run, "stage_command", lambda *a: [sys.executable, "-c", script])
+    layout = Layout.of(load_config(SEVEN_B, []))
+    assert not dry_run.compile_every_rank(SEVEN_B, [], layout, timeout_s=60)
+    out = capsys.readouterr().out
+    assert "rank 2: exit 3: strategy of MatMul-op3 does not fit" in out and "7 of 8 ranks compiled" in out
+    assert "rank 1:" not in out

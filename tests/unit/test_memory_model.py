@@ -133,6 +133,21 @@ def test_the_shipped_ascend_configs_fit_and_their_proposals_obey_every_rule(path
         assert applied.parallel.world_size == devices
 
 
+def test_plan_says_what_each_machine_needs_in_host_memory_to_initialise():
+    """Semi-auto ranks initialise only their slices of the fp32 weights and both moments; a data-parallel
+    Ascend rank (dp only, no optimizer sharding) builds whole copies: 8 of them on a machine."""
+    cfg = load_config(SEVEN_B, [])
+    stage = mm.estimate(cfg, runtime=True)[0]
+    per_rank = (stage.params + stage.optimizer) / mm.GIB
+    line = next(l for l in plan.report(cfg, 8, plan.Hardware())[0] if "host memory" in l)
+    assert f"{per_rank:.1f} GiB per rank, {8 * per_rank:.1f} per machine of 8" in line and "slices" in line
+    whole = load_config(SEVEN_B, ["parallel.dp=8", "parallel.tp=1", "parallel.optimizer_shard=false",
+                                  "train.micro_batch=1", "train.grad_accum_steps=16", "parallel.device_memory_gib=1e4"])
+    line = next(l for l in plan.report(whole, 8, plan.Hardware())[0] if "host memory" in l)
+    count = mm.total_param_count(whole.model)
+    assert f"{12 * count / mm.GIB:.1f} GiB per rank" in line and "copy" in line        # fp32 weights + 2 moments
+
+
 def test_planning_a_broken_layout_reports_each_rule():
     cfg, layout, problem = plan.planned(str(SEVEN_B), ["parallel.tp=3"])
     assert "parallel.tp = 3" in problem and layout.tp == 3
