@@ -173,7 +173,9 @@ def _add_tools(sub) -> None:
     export = sub.add_parser("export", help="write a checkpoint as Hugging Face LLaMA or mindformers weights")
     export.add_argument("checkpoint", metavar="CHECKPOINT",
                         help="a checkpoint directory (…/checkpoints/step-N), or a run (its newest checkpoint)")
-    export.add_argument("--format", choices=("hf", "mindformers"), required=True)
+    export.add_argument("--format", choices=("hf", "mindformers", "mindspore-sliced"), required=True,
+                        help="hf, mindformers: whole weights; mindspore-sliced: a semi-auto run's slices per rank "
+                             "with its strategy files, for MindSpore's transform_checkpoints")
     export.add_argument("-o", "--output", required=True, metavar="DIR",
                         help="the directory to write (hf: with the run's tokenizer files where it is known)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing non-empty DIR")
@@ -446,10 +448,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
         info = hf.export(checkpoint, Path(args.output), overwrite=args.overwrite)
         if info["tokenizer_note"]:
             print(f"llm-pretrain: no tokenizer files exported: {info['tokenizer_note']}", file=sys.stderr)
-    else:
+    elif args.format == "mindformers":
         from engine.interop import mindformers
 
         info = mindformers.export(checkpoint, Path(args.output), overwrite=args.overwrite)
+    else:
+        from engine.interop import sliced
+
+        info = sliced.export(checkpoint, Path(args.output), overwrite=args.overwrite)
+        print(f"llm-pretrain: {info['ranks']} ranks' slices; to resume on another layout, transform them onto its "
+              f"strategy file: {sliced.transform_command(Path(args.output), info['strategy'])}", file=sys.stderr)
+        if info["note"]:
+            print(f"llm-pretrain: warning: {info['note']}", file=sys.stderr)
     tokenizer = f" with the {info['tokenizer']} tokenizer" if info.get("tokenizer") else ""
     print(f"exported {checkpoint} as {args.format}: {info['tensors']} tensors, {info['parameters']:,} parameters"
           f"{tokenizer} -> {args.output}")

@@ -137,8 +137,8 @@ def model_tensors(checkpoint: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]
     saved = manifest["run_state"].get("parallel_layout") or {}
     if saved.get("sliced"):
         raise CheckpointError(f"{checkpoint} holds each rank's slices (tensor/pipeline parallel, optimizer "
-                              "sharding): merge them first with MindSpore's transform_checkpoints and the run's "
-                              "strategy/ files; export reads whole tensors only")
+                              "sharding): export --format mindspore-sliced writes them for MindSpore's "
+                              "transform_checkpoints, which merges them; hf and mindformers read whole tensors only")
     tensors = reader.load_tensors(checkpoint, manifest)
     return cfg, {k: np.ascontiguousarray(v) for k, v in tensors.items() if k.startswith(MODEL_PREFIXES)}
 

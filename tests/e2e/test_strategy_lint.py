@@ -350,3 +350,51 @@ def test_a_missing_or_misfit_strategy_is_named_with_its_op_and_cell(mindspore_cp
     assert any(p.startswith("FlashAttentionScore in ") and "self_attn-Attention" in p and "input 0 of rank 4" in p
                for p in found), found
     assert any(p.startswith("Mul in ") and "self_attn-Attention" in p and "does not divide" in p for p in found), found
+
+
+def test_a_sliced_checkpoint_exports_per_rank_for_transform_checkpoints(mindspore_cpu, tmp_path):
+    """Issue 34, item 7: `export --format mindspore-sliced` writes each rank's slices as MindSpore's own
+    `rank_<r>/checkpoint_<r>.ckpt` (the names the compiled step used, moments included) with the run's
+    strategy files: what transform_checkpoints reads to resume onto another layout. A whole checkpoint
+    is refused in one line."""
+    import subprocess
+    import sys
+
+    import mindspore as ms
+    from mindspore import Parameter, Tensor
+
+    from engine.rank.checkpoint import TrainerCheckpoints
+
+    def save(layout_name, run):
+        cfg = load_config(None, LAYOUTS[layout_name])
+        weight = Parameter(Tensor(np.arange(6, dtype=np.float32).reshape(2, 3)), name="model.norm.weight")
+        moment = Parameter(Tensor(np.full((2, 3), 0.5, np.float32)), name="adam_m.model.norm.weight")
+        weight.sliced = moment.sliced = True
+        state = {"step": 7, "data_cursor": 0, "data_epoch": 0, "skip_ranges": [], "lr_overrides": [],
+                 "quarantined_blocks": []}
+        saver = TrainerCheckpoints(run / "checkpoints", cfg, params=[weight, moment], run_state=lambda: dict(state),
+                                   load_run_state=lambda s: None, rank=0, world=1, generation=0, emit=lambda e: None,
+                                   parallelism=decide(cfg))
+        saver.save({"loss": 1.0})
+        assert saver.wait()
+
+    run = tmp_path / "run"
+    save("tp", run)
+    (run / "strategy").mkdir()
+    (run / "strategy" / "rank_0.ckpt").write_bytes(b"the compile's strategy")
+    out = tmp_path / "sliced"
+    cli = [sys.executable, "-m", "cli", "export", str(run), "--format", "mindspore-sliced", "-o", str(out)]
+    done = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "transform_checkpoints(" in done.stderr and "strategy/rank_0.ckpt" in done.stderr
+    loaded = ms.load_checkpoint(str(out / "rank_0" / "checkpoint_0.ckpt"))
+    assert sorted(loaded) == ["adam_m.model.norm.weight", "model.norm.weight"]
+    assert np.array_equal(loaded["model.norm.weight"].asnumpy(), np.arange(6).reshape(2, 3))
+    assert (out / "strategy" / "rank_0.ckpt").read_bytes() == b"the compile's strategy"
+
+    whole = tmp_path / "whole"
+    save("dp", whole)
+    done = subprocess.run([*cli[:4], str(whole), *cli[5:-1], str(tmp_path / "w")], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+    assert done.returncode != 0 and "holds whole tensors (data parallel)" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
