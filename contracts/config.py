@@ -552,7 +552,7 @@ def _check_cross_section(cfg: Config) -> None:
     if per_step != t.global_batch:
         _fail(f"train.global_batch = {t.global_batch} must equal train.micro_batch ({t.micro_batch}) x "
               f"train.grad_accum_steps ({t.grad_accum_steps}) x parallel.dp ({p.dp}) = {per_step}")
-    if t.device == "ascend" and t.flash_attention and m.head_dim % 16:
+    if t.device == "ascend" and t.flash_attention and t.precision != "fp32" and m.head_dim % 16:
         _fail(f"model.hidden_size / model.num_heads = {m.head_dim} (the head size) must be a multiple of 16 for "
               "train.flash_attention = true (MindSpore's FlashAttentionScore); change the shape or set it to false")
     if p.tp > 1:

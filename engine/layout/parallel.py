@@ -48,8 +48,9 @@ Strategy = tuple[tuple[int, ...], ...]
 
 
 def flash_attention(cfg: Config) -> bool:
-    """Whether attention is MindSpore's fused FlashAttentionScore (Ascend only: it has no CPU kernel)."""
-    return cfg.train.device == "ascend" and cfg.train.flash_attention
+    """Whether attention is MindSpore's fused FlashAttentionScore: on Ascend (it has no CPU kernel) in half
+    precision (it has no fp32 kernel either; fp32 runs the eager attention)."""
+    return cfg.train.device == "ascend" and cfg.train.flash_attention and cfg.train.precision != "fp32"
 
 
 def mode(cfg: Config) -> str:
@@ -231,7 +232,9 @@ def cell_strategies(cfg: Config) -> dict[str, dict[str, Strategy]]:
             "qk": (heads, heads),                               # (B, kv, rep*T, d) x (B, kv, d, T)
             "scale_scores": (scores, ()), "mask": (scores, table), "softmax": (scores,),
             "pv": (heads, heads),                               # (B, kv, rep*T, T) x (B, kv, T, d)
-            **({"flash": (heads, heads, heads, table)} if flash_attention(cfg) else {}),   # q, k, v, the mask
+            # q, k, v and the mask: the causal kernel (2048 tokens and more) and the one with a whole mask
+            **({"flash": (heads, heads, heads, table), "flash_short": (heads, heads, heads, table)}
+               if flash_attention(cfg) else {}),
         },
         "SwiGLU": {"silu": (wide,), "gate_times_up": (wide, wide)},
         "GeluMLP": {"gelu": (wide,)},

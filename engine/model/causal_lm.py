@@ -38,14 +38,15 @@ from mindspore.ops.auto_generate import SiLU
 from contracts.config import ModelConfig
 
 DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
+FLASH_MASK = 2048           # the side of flash attention's compressed causal mask (sparse mode 2)
 
 
 class _Init:
     """Deterministic numpy initialiser: the same seed gives the same weights on every rank. `lazy` (semi-auto
     parallel, built under engine.model.lazy_init.lazy_parameters): initializers that the compile runs on each
-    rank's slices only."""
+    rank's slices only; `lazy` = (dp x tp, tp) of the layout, for engine.model.lazy_init.SaltedNormal."""
 
-    def __init__(self, seed: int, std: float, lazy: bool = False):
+    def __init__(self, seed: int, std: float, lazy: tuple[int, int] | None = None):
         self.rng = np.random.default_rng(seed)
         self.std = std
         self.lazy = lazy
@@ -59,7 +60,8 @@ class _Init:
             from engine.model.lazy_init import SaltedNormal
 
             self.made += 1
-            return initializer(SaltedNormal(std, salt=self.made), shape, ms.float32)
+            return initializer(SaltedNormal(std, salt=self.made, stage_ranks=self.lazy[0], tp=self.lazy[1]), shape,
+                               ms.float32)
         return Tensor(self.rng.normal(0.0, std, size=shape).astype(np.float32))
 
     @staticmethod
@@ -206,12 +208,14 @@ class Attention(nn.Cell):
         self.negate, self.rotate = ops.Neg(), ops.Concat(-1)
         self.scale_scores, self.mask = ops.Mul(), ops.Add()
         self.scale_t = Tensor(self.scale, ms.float32)
-        self.flash = None
-        if flash:          # Ascend: causal (the compressed 2048 x 2048 mask of sparse mode 2), GQA by kv heads
+        self.flash = self.flash_short = None
+        if flash:          # Ascend, half precision; GQA by kv heads
             from mindspore.ops.operations.nn_ops import FlashAttentionScore
 
-            self.flash = FlashAttentionScore(head_num=cfg.num_heads, scale_value=self.scale, pre_tokens=2147483647,
-                                             next_tokens=0, input_layout="BNSD", sparse_mode=2)
+            kernel = dict(head_num=cfg.num_heads, scale_value=self.scale, input_layout="BNSD")
+            # causal by the compressed 2048 x 2048 mask of sparse mode 2 (MindFormers uses it from 2048 tokens)
+            self.flash = FlashAttentionScore(**kernel, pre_tokens=2147483647, next_tokens=0, sparse_mode=2)
+            self.flash_short = FlashAttentionScore(**kernel, sparse_mode=0)   # shorter: the whole (T, T) mask
         self.explicit = explicit_broadcast
         if explicit_broadcast:
             self.softmax = Softmax()
@@ -252,7 +256,8 @@ class Attention(nn.Cell):
         # repeat_kv does, so fold each group's rep query heads into the row axis.
         cd = self.compute_dtype
         if self.flash is not None:      # `mask` is the flash kernel's (engine.model.causal_lm.DecoderModel)
-            out = self.flash(q.astype(cd), k.astype(cd), v.astype(cd), None, None, None, mask)[3]   # (B, n, T, d)
+            kernel = self.flash if t >= FLASH_MASK else self.flash_short
+            out = kernel(q.astype(cd), k.astype(cd), v.astype(cd), None, None, None, mask)[3]      # (B, n, T, d)
             out = self.merge_heads(out, (0, 2, 1, 3)).reshape(b, t, self.num_heads * d)
             return self.o_proj(out).astype(ms.float32)
         q = q.reshape(b, kv, rep * t, d)                                       # (B, kv, rep*T, d)
@@ -349,8 +354,10 @@ class DecoderModel(nn.Cell):
         self.cos, self.sin = Tensor(cos), Tensor(sin)
         causal = np.triu(np.full((cfg.max_seq_len, cfg.max_seq_len), -1e9, dtype=np.float32), k=1)
         self.causal_mask = Tensor(causal)
-        # flash attention's causal mask, compressed (sparse mode 2): 1 above the diagonal, whatever the length
-        self.flash_mask = Tensor(np.triu(np.ones((2048, 2048), np.uint8), k=1)) if flash else None
+        # flash attention's causal mask, 1 above the diagonal: compressed (sparse mode 2) from 2048 tokens, whole
+        # below (cut to the length)
+        size = FLASH_MASK if cfg.max_seq_len >= FLASH_MASK else cfg.max_seq_len
+        self.flash_mask = Tensor(np.triu(np.ones((size, size), np.uint8), k=1)) if flash else None
         self.cut_table, self.add_positions = ops.StridedSlice(), ops.Add()
 
     def _first(self, table, t, square: bool = False):
@@ -369,7 +376,10 @@ class DecoderModel(nn.Cell):
             cos, sin, mask = self.cos[:t], self.sin[:t], self.causal_mask[:t, :t]
         else:
             cos, sin = self._first(self.cos, t), self._first(self.sin, t)
-            mask = self.flash_mask if self.flash_mask is not None else self._first(self.causal_mask, t, square=True)
+            if self.flash_mask is None:
+                mask = self._first(self.causal_mask, t, square=True)
+            else:
+                mask = self.flash_mask if t >= FLASH_MASK else self._first(self.flash_mask, t, square=True)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)
@@ -380,7 +390,7 @@ class CausalLM(nn.Cell):
     fused_kernels: the CPU's fused C++ kernels (engine/model/fused_cpu.py), where they can be built."""
 
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False,
+                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: tuple | None = None,
                  vocab_parallel_loss: bool = False, flash_attention: bool = False):
         super().__init__()
         init = _Init(seed, cfg.init_std, lazy=lazy_init)
@@ -447,7 +457,7 @@ class InlinedCausalLM(CausalLM):
 
     @ms.lazy_inline
     def __init__(self, cfg: ModelConfig, *, seed: int, compute_dtype: str = "fp32", recompute_layers: int = 0,
-                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: bool = False,
+                 explicit_broadcast: bool = False, fused_kernels: bool = False, lazy_init: tuple | None = None,
                  vocab_parallel_loss: bool = False, flash_attention: bool = False):
         super().__init__(cfg, seed=seed, compute_dtype=compute_dtype, recompute_layers=recompute_layers,
                          explicit_broadcast=explicit_broadcast, fused_kernels=fused_kernels, lazy_init=lazy_init,
@@ -463,9 +473,11 @@ def build_model(config, parallelism) -> CausalLM:
 
     cls = InlinedCausalLM if parallelism.semi_auto and micro_batches(config) > 1 else CausalLM
     cpu = config.train.device == "cpu"
+    p = config.parallel
+    lazy = (p.dp * p.tp, p.tp) if parallelism.semi_auto else None         # (ranks per stage, tp): lazy_init.py
     net = cls(config.model, seed=config.train.seed, compute_dtype=config.train.precision,
               recompute_layers=config.recompute_layers, explicit_broadcast=cpu,
-              fused_kernels=cpu and config.train.fused_kernels, lazy_init=parallelism.semi_auto,
+              fused_kernels=cpu and config.train.fused_kernels, lazy_init=lazy,
               vocab_parallel_loss=parallelism.semi_auto, flash_attention=flash_attention(config))
     sharding.apply_to_model(net, config, parallelism)
     return net

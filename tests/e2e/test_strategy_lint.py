@@ -182,20 +182,39 @@ def test_a_semi_auto_rank_leaves_its_weights_for_the_compile_to_initialise_slice
     assert len(set(salts)) == len(salts)          # every weight its own draws
 
 
-def test_salted_normal_slices_agree_across_replicas_and_differ_across_weights_and_slices(mindspore_cpu):
-    """MindSpore seeds numpy with (slice index + global seed) before it initialises a slice; replicas of a
-    slice must draw the same values, two weights (or two slices) of one shape must not."""
+def test_salted_normal_slices_agree_across_replicas_and_differ_across_weights_blocks_and_shards(mindspore_cpu,
+                                                                                                monkeypatch):
+    """MindSpore seeds numpy with (slice index + global seed) before it initialises a slice, the index being the
+    tensor block's, plus the device count and the optimizer-shard rank when the parameter is optimizer-sharded
+    (a sum: at dp 4 x tp 2, block 1 of shard rank 0 and block 0 of shard rank 1 get the same seed). Played
+    here rank by rank for a column-parallel weight: replicas of a slice draw the same values; blocks, shards
+    and weights of one shape never do."""
+    import importlib
+
+    import mindspore.communication as comm
+
     from engine.model.lazy_init import SaltedNormal
 
-    def draw(salt, slice_index, seed=1234):
-        np.random.seed(slice_index + seed)
-        arr = np.empty((64, 32), np.float32)
-        SaltedNormal(0.02, salt)(arr)
-        return arr
+    seed, dp, tp = 1234, 4, 2
+    monkeypatch.setattr(importlib.import_module("mindspore.common.seed"), "get_seed", lambda: seed)
+    monkeypatch.setattr(comm, "get_group_size", lambda *a: dp * tp)
 
-    assert np.array_equal(draw(3, 0), draw(3, 0))
-    assert not np.array_equal(draw(3, 0), draw(4, 0)) and not np.array_equal(draw(3, 0), draw(3, 1))
-    assert 0.018 < draw(3, 0).std() < 0.022 and abs(draw(3, 0).mean()) < 0.002
+    def draw(rank, salt, opt_shard):
+        monkeypatch.setattr(comm, "get_rank", lambda *a: rank)
+        block, dp_index = rank % tp, rank // tp
+        np.random.seed(block + (dp * tp + dp_index if opt_shard else 0) + seed)     # MindSpore's _get_slice_index
+        arr = np.empty((16, 32), np.float32)
+        SaltedNormal(0.02, salt, stage_ranks=dp * tp, tp=tp)(arr)
+        return arr.tobytes()
+
+    sharded = [draw(r, 3, True) for r in range(dp * tp)]
+    assert len(set(sharded)) == dp * tp                        # 2 blocks x 4 shards: eight different slices
+    replicated = [draw(r, 3, False) for r in range(dp * tp)]
+    assert len(set(replicated)) == tp                          # the dp replicas of each block agree
+    assert all(replicated[r] == replicated[r % tp] for r in range(dp * tp))
+    assert draw(0, 4, False) != replicated[0] and draw(0, 4, True) != sharded[0]   # another weight of one shape
+    values = np.frombuffer(b"".join(sharded), np.float32)
+    assert 0.018 < values.std() < 0.022 and abs(values.mean()) < 0.002
 
 
 # The loss's gradient under a layout: a numpy model of how a semi-auto compile splits the loss's rows.
@@ -339,7 +358,8 @@ def test_a_missing_or_misfit_strategy_is_named_with_its_op_and_cell(mindspore_cp
     def broken(cfg):
         table = real(cfg)
         del table["SwiGLU"]["silu"]
-        table["Attention"]["flash"] = ((2, 2, 1),) + table["Attention"]["flash"][1:]
+        for kernel in ("flash", "flash_short"):         # (the lint's 32 tokens run the short one)
+            table["Attention"][kernel] = ((2, 2, 1),) + table["Attention"][kernel][1:]
         table["Attention"]["rope_cos"] = ((1, 3, 1, 1), (1, 1))
         return table
 
@@ -398,3 +418,17 @@ def test_a_sliced_checkpoint_exports_per_rank_for_transform_checkpoints(mindspor
                           cwd=ROOT, timeout=300)
     assert done.returncode != 0 and "holds whole tensors (data parallel)" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("seq", [32, 4096])
+def test_flash_attention_is_causal_by_the_compressed_mask_from_2048_tokens_and_by_the_whole_mask_below(
+        mindspore_cpu, tmp_path, monkeypatch, seq):
+    """Sparse mode 2's 2048 x 2048 mask from 2048 tokens (MindFormers' rule); a whole (T, T) mask below."""
+    cfg = load_config(None, LAYOUTS["tp"] + [f"model.max_seq_len={seq}", f"data.seq_len={seq}", "model.num_layers=1",
+                                             "train.micro_batch=1", "train.grad_accum_steps=16"])
+    monkeypatch.chdir(tmp_path)
+    assert _forward_problems(cfg, tmp_path / "ir") == []
+    flash = [n for n in _nodes(tmp_path / "ir") if n.op == "FlashAttentionScore"]
+    assert flash and all(n.inputs[0][2] == seq for n in flash)                     # (B, heads, T, d)
+    masks = {[s for s in n.inputs if s is not None][3] for n in flash}
+    assert masks == {(2048, 2048) if seq >= 2048 else (seq, seq)}

@@ -81,6 +81,11 @@ def test_flash_attention_keeps_no_sequence_squared_scores():
                                                  "parallel.device_memory_gib=10000"]))[0] for v in ("true", "false"))
     assert off.activations - on.activations > 32 * (eager - flash)      # every layer, and the backward's workspace
     assert load_config(None, ASCEND + ["train.flash_attention=true"]).train.flash_attention      # head size 16: fine
+    from engine.layout.parallel import flash_attention
+
+    assert flash_attention(load_config(None, ASCEND)) and not flash_attention(load_config(None, []))
+    fp32 = load_config(None, ['train.device="ascend"', "model.num_heads=8", "model.num_kv_heads=4"])
+    assert not flash_attention(fp32)          # no fp32 kernel: eager attention, and any head size
 
 
 def test_flash_attention_needs_a_head_size_of_a_multiple_of_16():
