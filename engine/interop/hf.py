@@ -128,11 +128,16 @@ def model_config_of(checkpoint: Path) -> tuple[ModelConfig, dict[str, Any]]:
     return ModelConfig(**{k: v for k, v in model.items() if k in known}), manifest
 
 
-def model_tensors(checkpoint: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """The verified checkpoint's model parameters (not the optimizer's or the scaler's state)."""
+def verify_for_export(checkpoint: Path) -> None:
+    """An export reads only a checkpoint that verifies (manifest, sizes, checksums)."""
     problems = reader.verify(checkpoint)
     if problems:
         raise CheckpointError(f"{checkpoint} does not verify: {'; '.join(problems)}")
+
+
+def model_tensors(checkpoint: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """The verified checkpoint's model parameters (not the optimizer's or the scaler's state)."""
+    verify_for_export(checkpoint)
     cfg, manifest = model_config_of(checkpoint)
     saved = manifest["run_state"].get("parallel_layout") or {}
     if saved.get("sliced"):

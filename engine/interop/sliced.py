@@ -5,7 +5,7 @@ Owns: splitting our one checkpoint of `rank<r>/<name>` tensors (engine/rank/chec
 `rank_<r>/checkpoint_<r>.ckpt` per rank (MindSpore's own checkpoint format, the parameter names
 the compiled step used, optimizer moments included), and the run's strategy files beside them
 (`strategy/rank_<r>.ckpt`, which each rank's compile wrote; with pp > 1 also merged into
-`strategy/merged.ckpt` by MindSpore's merge_pipeline_strategys, which transform_checkpoints needs).
+`merged_strategy.ckpt` by MindSpore's merge_pipeline_strategys, which transform_checkpoints needs).
 The command it prints then transforms them onto the strategy of the layout to resume on.
 """
 from __future__ import annotations
@@ -25,9 +25,7 @@ _RANKED = re.compile(r"^rank(\d+)/(.+)$")
 
 def rank_tensors(checkpoint: Path) -> tuple[dict[str, Any], dict[int, dict[str, np.ndarray]]]:
     """(the saved parallel layout, {rank: {parameter name: its slice}}) of a verified sliced checkpoint."""
-    problems = reader.verify(checkpoint)
-    if problems:
-        raise CheckpointError(f"{checkpoint} does not verify: {'; '.join(problems)}")
+    hf.verify_for_export(checkpoint)
     manifest = reader.read_manifest(checkpoint)
     saved = manifest["run_state"].get("parallel_layout") or {}
     if not saved.get("sliced"):
@@ -45,6 +43,7 @@ def export(checkpoint: Path, out: Path, *, overwrite: bool = False) -> dict[str,
 
     hf.check_output(out, overwrite)
     saved, ranks = rank_tensors(checkpoint)
+    pipelined = int(saved.get("pp", 1)) > 1
     strategies = Path(checkpoint).resolve().parent.parent / "strategy"
     with hf.output_directory(out, overwrite=overwrite) as tmp:
         for rank, tensors in sorted(ranks.items()):
@@ -57,12 +56,11 @@ def export(checkpoint: Path, out: Path, *, overwrite: bool = False) -> dict[str,
             (tmp / "strategy").mkdir()
             for f in files:
                 shutil.copy2(f, tmp / "strategy" / f.name)
-            if int(saved.get("pp", 1)) > 1:
+            if pipelined:
                 from mindspore.parallel import merge_pipeline_strategys
 
                 merge_pipeline_strategys(str(tmp / "strategy"), str(tmp / "merged_strategy.ckpt"))
-    strategy = (out / ("merged_strategy.ckpt" if int(saved.get("pp", 1)) > 1 else "strategy/rank_0.ckpt")
-                if files else None)
+    strategy = (out / ("merged_strategy.ckpt" if pipelined else "strategy/rank_0.ckpt")) if files else None
     return {"tensors": sum(len(t) for t in ranks.values()), "ranks": len(ranks),
             "parameters": int(sum(np.prod(v.shape) for t in ranks.values() for v in t.values())),
             "strategy": str(strategy) if strategy else None,

@@ -228,7 +228,7 @@ def cell_strategies(cfg: Config) -> dict[str, dict[str, Strategy]]:
             "split_heads": ((dp, 1, tp, 1),),                   # (B, T, n, d) → (B, n, T, d)
             "transpose_k": (heads,), "merge_heads": (heads,),
             "rope_cos": (heads, table), "rope_sin": (heads, table), "rope_add": (heads, heads),
-            "upper_half": (heads,), "lower_half": (heads,), "negate": (heads,), "rotate": (heads, heads),
+            "upper_half": (heads,), "lower_half": (heads,), "negate": (heads,), "join_halves": (heads, heads),
             "qk": (heads, heads),                               # (B, kv, rep*T, d) x (B, kv, d, T)
             "scale_scores": (scores, ()), "mask": (scores, table), "softmax": (scores,),
             "pv": (heads, heads),                               # (B, kv, rep*T, T) x (B, kv, T, d)

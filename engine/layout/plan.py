@@ -217,9 +217,10 @@ def report(cfg: Config, devices: int, hw: Hardware, *, layout: Layout | None = N
                       f"on stage {worst.stage}; about {tokens_per_second(cfg, lay, hw):,.0f} tokens/s"]
             per_rank = max(s.params + s.optimizer for s in stages)
             ranks = min(devices, hw.devices_per_node)
-            lines.append(f"  host memory to initialise: {per_rank / GIB:.1f} GiB per rank, {ranks * per_rank / GIB:.1f} "
-                         f"per machine of {ranks} (each rank's {'slices' if mode(config_with(cfg, lay)) == SEMI_AUTO else 'copy'} of "
-                         "the fp32 weights and both moments; MindSpore's own per process not counted)")
+            held = "slices" if mode(config_with(cfg, lay)) == SEMI_AUTO else "copy"
+            lines.append(f"  host memory to initialise: {per_rank / GIB:.1f} GiB per rank, "
+                         f"{ranks * per_rank / GIB:.1f} per machine of {ranks} (each rank's {held} of the fp32 "
+                         "weights and both moments; MindSpore's own per process not counted)")
             if not fits:
                 verdict = (f"it needs about {worst.total / GIB:.1f} GiB per device (stage {worst.stage}), more than "
                            f"{hw.memory_gib:g} GiB")

@@ -205,7 +205,7 @@ class Attention(nn.Cell):
         self.split_heads, self.transpose_k, self.merge_heads = ops.Transpose(), ops.Transpose(), ops.Transpose()
         self.rope_cos, self.rope_sin, self.rope_add = ops.Mul(), ops.Mul(), ops.Add()
         self.upper_half, self.lower_half = ops.StridedSlice(), ops.StridedSlice()
-        self.negate, self.rotate = ops.Neg(), ops.Concat(-1)
+        self.negate, self.join_halves = ops.Neg(), ops.Concat(-1)
         self.scale_scores, self.mask = ops.Mul(), ops.Add()
         self.scale_t = Tensor(self.scale, ms.float32)
         self.flash = self.flash_short = None
@@ -237,7 +237,7 @@ class Attention(nn.Cell):
             half = d // 2
             upper = self.upper_half(x, (0, 0, 0, half), (b, n, t, d), (1, 1, 1, 1))
             lower = self.lower_half(x, (0, 0, 0, 0), (b, n, t, half), (1, 1, 1, 1))
-            rotated = self.rotate((self.negate(upper), lower))                  # rotate_half(x)
+            rotated = self.join_halves((self.negate(upper), lower))             # rotate_half(x)
             return self.rope_add(self.rope_cos(x, cos), self.rope_sin(rotated, sin))
         rotated = self.rotate(x.reshape(-1, self.head_dim), ops.stop_gradient(self.rotation)).reshape(x.shape)
         return x * ops.broadcast_to(cos, x.shape) + rotated * ops.broadcast_to(sin, x.shape)
