@@ -376,6 +376,7 @@ class RunConfig:
     coordinator_prefix: str = ""   # this run's etcd keys live under it; "" = /llm-pretrain/<name>/
     coordinator_timeout_s: float = 60.0   # etcd unreachable this long: checkpoint and stop (exit 75)
     node_lease_ttl_s: int = 5      # a node whose daemon is silent this long is lost
+    node_join_timeout_s: float = 600.0    # a fresh run's first generation waits this long for every machine to boot
     node_rejoin_timeout_s: float = 60.0   # a lost node back within this long: the run goes on at full size
     min_nodes: int = 0             # fewer nodes than this (0 = run.nodes): wait, then stop; more: go on smaller
     stop_timeout_s: float = 300.0  # on stop: wait this long for the final checkpoint, then kill
@@ -396,6 +397,7 @@ class RunConfig:
         _in_range("run.master_port", self.master_port, 0, 65535)
         _in_range("run.coordinator_timeout_s", self.coordinator_timeout_s, 0.0, 1e6, open_low=True)
         _in_range("run.node_lease_ttl_s", self.node_lease_ttl_s, 2, 3600)
+        _in_range("run.node_join_timeout_s", self.node_join_timeout_s, 0.0, 1e6)
         _in_range("run.node_rejoin_timeout_s", self.node_rejoin_timeout_s, 0.0, 1e6)
         _in_range("run.min_nodes", self.min_nodes, 0, self.nodes)
         if self.coordinator == EMBEDDED:

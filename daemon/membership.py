@@ -5,7 +5,7 @@ another run directory or trajectory is refused, exit 78, while the run has live 
 rank claimed (one daemon per rank: a live one elsewhere refuses the newcomer, exit 78), its lease
 (daemon.etcd_keys). Then which nodes are live, the election of the decider (any node; the lowest
 ranks first), the decider's gathering of its nodes for a generation (all of them, or after
-run.node_rejoin_timeout_s the live ones if there are enough), how long etcd has been silent
+run.node_join_timeout_s at a fresh run's start, run.node_rejoin_timeout_s later, the live ones if there are enough), how long etcd has been silent
 (`cut_off`), the waits and retried writes that go on only while etcd is there (a node that waits
 for a decider that is gone campaigns itself), and how the run ended (the decider records it; the
 others follow with the same code). The generation handshake (daemon.generation_handshake) and
@@ -169,22 +169,26 @@ class Membership:
             return False
 
     def gathered(self) -> tuple[int, ...] | None:
-        """The decider: every node; or, once run.node_rejoin_timeout_s has passed since it began to
-        wait with some missing, the live ones if they are at least run.min_nodes (else the run ends)."""
+        """The decider: every node; or, once it has waited with some missing — run.node_join_timeout_s
+        for a fresh run's first generation (machines boot at different times), else
+        run.node_rejoin_timeout_s (a lost node's return) — the live ones if they are at least
+        run.min_nodes (else the run ends)."""
         live, run = self.live(), self.cfg.run
         if len(live) == run.nodes:
             self._waiting_since = None
             return tuple(live)
         now = self.clock()
         self._waiting_since = self._waiting_since if self._waiting_since is not None else now
-        if now - self._waiting_since < run.node_rejoin_timeout_s:
+        knob, limit_s = (("run.node_join_timeout_s", run.node_join_timeout_s) if self.coord.generation() is None
+                         else ("run.node_rejoin_timeout_s", run.node_rejoin_timeout_s))
+        if now - self._waiting_since < limit_s:
             return None
         if len(live) >= run.quorum:
             self._waiting_since = None
             return tuple(live)
         raise PeersUnavailableError(
-            f"only {len(live)} of run.nodes = {run.nodes} nodes are up (nodes {live}) after run.node_rejoin_timeout_s "
-            f"= {run.node_rejoin_timeout_s:g} s, fewer than run.min_nodes = {run.quorum}", ExitCode.TEMP_FAIL)
+            f"only {len(live)} of run.nodes = {run.nodes} nodes are up (nodes {live}) after {knob} "
+            f"= {limit_s:g} s, fewer than run.min_nodes = {run.quorum}", ExitCode.TEMP_FAIL)
 
     def missing(self) -> dict:
         live = self.live()

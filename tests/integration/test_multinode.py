@@ -295,12 +295,17 @@ def test_a_node_lost_past_the_rejoin_timeout_shrinks_the_run_and_is_taken_back_w
         assert _named(events, "daemon_exit")[0]["reason"] == "finished"
 
 
-def test_fewer_nodes_than_min_nodes_after_the_rejoin_timeout_is_exit_75_in_one_line(tmp_path, etcd):
-    code, events, err = _finish(_node(0, tmp_path / "run", etcd.url, "run.node_rejoin_timeout_s=1",
-                                      fake=["--steps", "10"]), 60)
+def test_fewer_nodes_than_min_nodes_after_the_join_timeout_is_exit_75_in_one_line(tmp_path, etcd):
+    """A fresh run waits run.node_join_timeout_s for its machines, not the (short) rejoin timeout."""
+    code, events, err = _finish(_node(0, tmp_path / "run", etcd.url, "run.node_rejoin_timeout_s=0",
+                                      "run.node_join_timeout_s=3", fake=["--steps", "10"]), 60)
     assert code == 75, err[-2000:]
+    waited = _named(events, "waiting_for_nodes")[0]
     exit_event = _named(events, "daemon_exit")[0]
     assert exit_event["reason"] == "nodes" and "fewer than run.min_nodes = 2" in exit_event["detail"]
+    assert "after run.node_join_timeout_s = 3 s" in exit_event["detail"]
+    from tests.integration.simulated_machines import unix_s
+    assert unix_s(exit_event["ts"]) - unix_s(waited["ts"]) >= 2.9      # not the rejoin timeout's 0 s
     assert "Traceback" not in err
 
 
