@@ -252,6 +252,7 @@ ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 
 ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
+ENV_STANDBY_LATE = "LLM_PRETRAIN_STANDBY_LATE"   # "1": it forms its cluster once activated (several machines)
 # A local group (daemon/mindspore_env.py): ranks on one machine with no MindSpore cluster, summing through shared memory
 ENV_LOCAL_GROUP = "LLM_PRETRAIN_LOCAL_GROUP"     # path prefix of the group's shared-memory files
 ENV_LOCAL_RANK = "LLM_PRETRAIN_LOCAL_RANK"       # this rank, 0 .. world - 1

@@ -243,17 +243,20 @@ class Generation:
                port: int, ranks: Sequence[int], standby=None) -> int:
         """MindSpore's scheduler (given `scheduler_cmd`, with more than one rank in all) and this node's
         ranks, with the environments and files of `files` (a daemon.run_files.RunFiles); or the processes
-        of an activated `standby` (daemon/standby.py), already running. Returns the scheduler's port."""
+        of an activated `standby` (daemon/standby.py), already running (a late one's scheduler, on the
+        node that runs it, starts now). Returns the scheduler's port."""
+        cfg, n = self.cfg, self.number
         if standby is not None:
             self.adopt(standby.workers)
             self.from_standby = True
-            self.port = standby.port
-            return standby.port
-        cfg, n = self.cfg, self.number
+            if not standby.late:
+                self.port = standby.port
+                return standby.port
         self.port = port
-        if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg):
+        if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg) \
+                and not any(w.role == "scheduler" for w in self.workers):      # a late standby's is running
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
-        for rank in ranks:
+        for rank in ranks if standby is None else ():
             self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
                             files.rank_env(env, cfg, rank=rank, port=port, generation=n, sock=self.sock_path))
         return port

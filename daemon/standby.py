@@ -7,11 +7,17 @@ cluster's formation — on CPU most of the time between a crash and the next
 generation's first step (bench/recovery.py; the figures are in the README).
 
 Where it is safe only: the CPU device (on Ascend a standby would claim the
-devices and HCCL of the generation that still trains), one node (another
-node's daemon cannot know the next generation's port before etcd says so), and
-an automatic master port (a fixed one is held by the training generation). A
-standby is used only for a generation with the config, ranks and MindSpore
-environment it formed its cluster with; otherwise it is retired and the
+devices and HCCL of the generation that still trains); on one node, an automatic
+master port (a fixed one is held by the training generation). On several nodes
+no daemon knows the next generation's scheduler (its address, its port) before
+the decider publishes it in etcd: there the standby is *late* — its ranks start
+the interpreter and import MindSpore and the engine, then wait, and form the
+cluster once activated with the generation's environment (the scheduler starts
+cold, on the decider). A standby is used only for a generation with the config
+and ranks it started with (the same machines in the same order: a shrunk or
+regrown run has another config) and the MindSpore environment it read (all of
+it once its cluster formed; a late one, all but the cluster's address and
+membership variables it has not used yet); otherwise it is retired and the
 generation starts cold.
 """
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from contracts.config import Config
-from contracts.protocol import ENV_STANDBY_FD, PhaseEvent, activation_line
+from contracts.protocol import ENV_STANDBY_FD, ENV_STANDBY_LATE, PhaseEvent, activation_line
 from daemon import mindspore_env
 from daemon.generation import Worker, spawn, spawn_rank, stop_all
 
@@ -33,15 +39,20 @@ FORM_TIMEOUT_S = 60.0     # a standby not formed by then is stuck (it takes ~5 s
 PIPE_BYTES = 60_000       # an activation must fit the pipe's buffer (64 KiB on Linux): the write never blocks
 
 
+SCHEDULER = -1            # the scheduler's key among the standby's processes and pipes
+# what a late standby's ranks read only when activated: the cluster's address and membership
+CLUSTER_VARIABLES = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_LOCAL_WORKER_NUM", "MS_NODE_ID")
+
+
 def wanted(cfg: Config) -> bool:
     """Whether this run keeps a standby (run.standby, where it is safe: see the module's docstring)."""
-    return (cfg.run.standby and cfg.train.device == "cpu" and cfg.run.nodes == 1
-            and (cfg.run.master_port == 0 or cfg.parallel.world_size == 1))
+    return (cfg.run.standby and cfg.train.device == "cpu"
+            and (cfg.run.nodes > 1 or cfg.run.master_port == 0 or cfg.parallel.world_size == 1))
 
 
-def _mindspore_env(env: Mapping[str, str]) -> dict[str, str]:
-    """What a process's MindSpore has read by the time its cluster formed."""
-    return {k: v for k, v in env.items() if k.startswith(("MS_", "GLOG_"))}
+def _mindspore_env(env: Mapping[str, str], *, late: bool = False) -> dict[str, str]:
+    """What a process's MindSpore has read by the time its cluster formed (a late standby: before)."""
+    return {k: v for k, v in env.items() if k.startswith(("MS_", "GLOG_")) and not (late and k in CLUSTER_VARIABLES)}
 
 
 @dataclasses.dataclass
@@ -52,6 +63,7 @@ class Standby:
     envs: dict[int, dict[str, str]]        # each rank's environment as started
     workers: list[Worker]                  # the scheduler (with more than one rank) and the ranks
     pipes: dict[int, int]                  # rank → the write end of its activation pipe
+    late: bool = False                     # forms its cluster once activated (several nodes)
     started_at: float = dataclasses.field(default_factory=time.monotonic)
     ready_s: float | None = None           # seconds from start until every rank had formed its cluster
     _ready: set[int] = dataclasses.field(default_factory=set)
@@ -66,21 +78,34 @@ class Standby:
               worker_cmd: Sequence[str], scheduler_cmd: Sequence[str] | None, sock_path: Path,
               memcg_parent: tuple[int, Path] | None, cgroup_dir: str) -> "Standby":
         """Starts the processes of generation `number` (as far as anyone can tell now) with `files`'
-        environments (a daemon.run_files.RunFiles); they form their cluster and wait."""
-        port = mindspore_env.free_port(cfg.run.master_addr) if cfg.parallel.world_size > 1 else 0
-        standby = cls(cfg, port, tuple(ranks), {}, [], {})
+        environments (a daemon.run_files.RunFiles); they form their cluster (a late standby: not yet)
+        and wait."""
+        late = cfg.run.nodes > 1
+        port = cfg.run.master_port if late else mindspore_env.free_port(cfg.run.master_addr) \
+            if cfg.parallel.world_size > 1 else 0
+        standby = cls(cfg, port, tuple(ranks), {}, [], {}, late=late)
         try:
             if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg):
-                standby.workers.append(spawn(scheduler_cmd, env=files.scheduler_env(env, cfg, port=port, generation=number),
-                                             role="scheduler", rank=-1, log_path=files.log_dir / "scheduler.log",
-                                             parent_death_signal=signal.SIGTERM))   # no ranks may come to end it
+                sched_env = files.scheduler_env(env, cfg, port=port, generation=number)
+                if late:                 # imports, then waits for the generation's port like the ranks
+                    standby.envs[SCHEDULER], (read_end, standby.pipes[SCHEDULER]) = sched_env, os.pipe()
+                    sched_env = {**sched_env, ENV_STANDBY_FD: str(read_end)}
+                try:
+                    standby.workers.append(spawn(scheduler_cmd, env=sched_env, role="scheduler", rank=SCHEDULER,
+                                                 log_path=files.log_dir / "scheduler.log",
+                                                 parent_death_signal=signal.SIGTERM,   # no ranks may come to end it
+                                                 pass_fds=(read_end,) if late else ()))
+                finally:
+                    if late:
+                        os.close(read_end)
             for rank in ranks:
                 standby.envs[rank] = files.rank_env(env, cfg, rank=rank, port=port, generation=number, sock=sock_path)
                 read_end, standby.pipes[rank] = os.pipe()
                 try:
                     standby.workers.append(spawn_rank(
                         cfg, rank, [*worker_cmd, "--config", str(files.resolved_config)],
-                        {**standby.envs[rank], ENV_STANDBY_FD: str(read_end)}, log_dir=files.log_dir,
+                        {**standby.envs[rank], ENV_STANDBY_FD: str(read_end), **({ENV_STANDBY_LATE: "1"} if late else {})},
+                        log_dir=files.log_dir,
                         memcg_parent=memcg_parent, cgroup_name=f"{cgroup_dir}/standby-g{number}-rank-{rank}",
                         pass_fds=(read_end,)))
                 finally:
@@ -103,7 +128,8 @@ class Standby:
     def unusable(self, cfg: Config, ranks: Sequence[int], envs: Mapping[int, Mapping[str, str]],
                  now: float) -> str | None:
         """Why this standby cannot be the generation of `cfg` and `ranks` whose ranks would get `envs`
-        (computed with this standby's port); None when it can."""
+        (computed with this standby's port; with SCHEDULER, a late one's scheduler's, when this node
+        runs the generation's scheduler); None when it can."""
         if cfg != self.cfg:
             return "the config changed since it started"
         if tuple(ranks) != self.ranks:
@@ -111,10 +137,13 @@ class Standby:
         if ended := [w for w in self.workers if w.popen.poll() is not None]:
             return "its " + ", ".join(f"{w.role} {w.rank if w.rank >= 0 else ''}".strip() + f" ended ({w.popen.returncode})"
                                       for w in ended)
-        if any(_mindspore_env(envs[r]) != _mindspore_env(self.envs[r]) for r in self.ranks):
+        if any(_mindspore_env(envs[r], late=self.late) != _mindspore_env(self.envs[r], late=self.late)
+               for r in self.ranks):
             return "the MindSpore environment changed since it started"
         if any(len(activation_line(dict(envs[r]))) > PIPE_BYTES for r in self.ranks):
             return f"an environment larger than a pipe holds ({PIPE_BYTES} bytes)"
+        if SCHEDULER in self.pipes and SCHEDULER not in envs:
+            return "this node no longer runs the scheduler"
         if self.ready_s is None and now - self.started_at > FORM_TIMEOUT_S:
             return f"its cluster has not formed in {FORM_TIMEOUT_S:.0f} s"
         return None
@@ -144,7 +173,8 @@ class Standby:
 
 class Keeper:
     """The supervisor's standby, one at a time: started once a generation's ranks all step (not
-    while they compile), handed to the next generation if it fits, retired otherwise."""
+    while they compile), handed to the next generation if it fits, retired otherwise. On several
+    nodes each node's daemon keeps one for its own ranks."""
 
     def __init__(self, files, env: Mapping[str, str], *, worker_cmd: Sequence[str],
                  scheduler_cmd: Sequence[str] | None):
@@ -158,9 +188,11 @@ class Keeper:
         if self.standby is not None or not watch.stepping or not wanted(cfg):
             return
         try:
+            runs_scheduler = any(w.role == "scheduler" for w in gen.workers)     # and likely will again
             self.standby = Standby.start(cfg, self.files, self.env, number=gen.number + 1,
                                          ranks=[r.rank for r in gen.ranks], worker_cmd=self.worker_cmd,
-                                         scheduler_cmd=self.scheduler_cmd, sock_path=gen.sock_path,
+                                         scheduler_cmd=self.scheduler_cmd if runs_scheduler else None,
+                                         sock_path=gen.sock_path,
                                          memcg_parent=memcg_parent, cgroup_dir=self.files.cgroup_dir)
         except Exception as e:        # no processes, pipes or cgroups left: an optional feature ends nothing
             ledger.emit("standby_failed", level="warning", detail=f"cannot start a standby: {e}")
@@ -178,14 +210,20 @@ class Keeper:
             elif self.standby is not None and self.standby.ready(event.rank, now):
                 ledger.emit("standby_ready", next_generation=event.generation, seconds=self.standby.ready_s)
 
-    def claim(self, cfg: Config, number: int, ranks: Sequence[int], sock_path: Path, ledger) -> Standby | None:
-        """The standby, activated as generation `number`; None when there is none or it does not fit
-        (then it is retired, and the generation starts cold)."""
+    def claim(self, opened, sock_path: Path, ledger) -> Standby | None:
+        """The standby, activated as the generation `opened` (a daemon.peers.Opened); None when there is
+        none or it does not fit (then it is retired, and the generation starts cold). A late standby's
+        processes are told the generation's scheduler port (another's scheduler has its own); its
+        scheduler is used where this node runs the generation's (else a cold one starts)."""
+        cfg, number, ranks, port, scheduler = opened.cfg, opened.number, opened.ranks, opened.port, opened.scheduler
         standby, self.standby = self.standby, None
         if standby is None or not standby.workers:
             return None
-        envs = {r: self.files.rank_env(self.env, cfg, rank=r, port=standby.port, generation=number, sock=sock_path)
+        port = port if standby.late else standby.port
+        envs = {r: self.files.rank_env(self.env, cfg, rank=r, port=port, generation=number, sock=sock_path)
                 for r in ranks}
+        if scheduler and SCHEDULER in standby.pipes:
+            envs[SCHEDULER] = self.files.scheduler_env(self.env, cfg, port=port, generation=number)
         why = standby.unusable(cfg, ranks, envs, time.monotonic())
         if why is None:
             try:

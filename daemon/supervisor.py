@@ -159,7 +159,7 @@ class Supervisor:
             with gen:
                 port = gen.launch(self.files, self.env, worker_cmd=self.worker_cmd, port=port, ranks=ranks,
                                   scheduler_cmd=self.scheduler_cmd if opened.scheduler else None,
-                                  standby=self.spare.claim(cfg, n, ranks, gen.sock_path, ledger))
+                                  standby=self.spare.claim(opened, gen.sock_path, ledger))
                 self.state.set_processes([w.record() for w in gen.workers])
                 ledger.set_status("running")
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},

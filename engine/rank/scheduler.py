@@ -1,15 +1,27 @@
 """MindSpore's cluster scheduler process (MS_ROLE=MS_SCHED): joins the cluster and waits it out.
 
 Run as `python -m engine.rank.scheduler` with the dynamic-cluster environment; it
-returns when every worker has finished.
+returns when every worker has finished. A late standby's scheduler (daemon/standby.py: several
+machines) imports MindSpore, then waits for the generation's environment on its pipe.
 """
 from __future__ import annotations
+
+import os
 
 import mindspore as ms
 from mindspore import communication
 
+from contracts.protocol import ENV_STANDBY_FD, await_activation
+
 
 def main() -> None:
+    if os.environ.get(ENV_STANDBY_FD):
+        env = await_activation(int(os.environ[ENV_STANDBY_FD]))
+        if env is None:             # retired
+            os._exit(0)
+        for name in [k for k in os.environ if k not in env]:
+            os.environ.pop(name, None)
+        os.environ.update(env)
     ms.set_device("CPU")
     communication.init()
 

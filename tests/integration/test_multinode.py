@@ -492,3 +492,57 @@ def test_an_embedded_etcd_of_three_members_outlives_node_0_with_its_member(tmp_p
     assert _named(ev1, "elected") and _named(ev1, "nodes_shrunk")[0]["members"] == [1, 2]
     for _, events, _ in results:
         assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+
+
+def test_each_machine_keeps_a_late_standby_and_a_rank_crash_restarts_both_on_theirs(tmp_path, etcd):
+    """Several machines: each daemon's standby ranks wait, without a cluster, for the generation the
+    decider publishes; after a crash on node 1 both nodes' next generation runs on them."""
+    run, gate = tmp_path / "run", tmp_path / "gate"
+    fake = ["--steps", "40", "--step-s", "0.05", "--interval", "5", "--crash-at", "20", "--rank-faults", "1",
+            "--fault-generations", "1", "--gate-at", "20", "--gate", str(gate)]
+    procs = [_node(i, run, etcd.url, fake=fake) for i in (0, 1)]
+    try:
+        _wait(lambda: _node_events(run, 0, "standby_ready") and _node_events(run, 1, "standby_ready"), 60,
+              "a standby ready on both nodes")
+        gate.touch()                                 # then the crash after step 20 on node 1
+        results = [_finish(p, 90) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
+    for i, (_, events, _) in enumerate(results):
+        started, gens = _named(events, "standby_started")[0], _named(events, "generation_start")
+        assert [g["standby"] for g in gens] == [False, True], i
+        assert gens[1]["pids"] == started["pids"] and list(started["pids"]) == [str(i)]
+        assert not _named(events, "standby_retired")
+        assert _named(events, "daemon_exit")[0]["reason"] == "finished"
+    # the activated standby took generation 2's environment: it stepped as generation 2 to the end
+    steps = [json.loads(l) for l in (run / "logs" / "node-1" / "rank-1.log").read_text().splitlines()
+             if l.startswith('{')]
+    steps = [s for s in steps if s.get("kind") == "step"]
+    assert [s["generation"] for s in steps][-1] == 2 and steps[-1]["step"] == 40
+
+
+def test_a_standby_started_for_three_machines_is_not_used_by_a_run_shrunk_to_two(tmp_path, etcd):
+    three = _GatedThree(tmp_path, etcd.url)
+    run, procs = three.run, three.procs
+    try:
+        _wait(lambda: all(_node_events(run, i, "standby_ready") for i in (0, 1, 2)), 60, "standbys ready")
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait()
+        _wait(lambda: _node_events(run, 0, "nodes_shrunk"), 60, "a generation of nodes 0 and 1")
+        three.gate.touch()
+        results = [_finish(p, 120) for p in procs[:2]]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
+    for _, events, _ in results:
+        gens = _named(events, "generation_start")
+        assert [g["standby"] for g in gens][:2] == [False, False]      # started cold on two machines
+        retired = _named(events, "standby_retired")[0]
+        assert "not used for generation 2: the config changed since it started" in retired["detail"]
+        # the smaller run keeps a standby of its own, of its own shape
+        assert len(_named(events, "standby_started")) >= 2

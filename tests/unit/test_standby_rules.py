@@ -18,10 +18,33 @@ def test_a_standby_is_kept_on_cpu_single_node_runs_with_an_automatic_port(overri
     assert wanted(load_config(None, ['parallel.dp=2', 'train.micro_batch=4', *overrides])) == kept
 
 
-def test_no_standby_on_ascend_or_across_nodes():
+SEVERAL = {"run.nodes": 2, "run.master_port": 29500, "run.coordinator": "etcd://127.0.0.1:2379"}
+
+
+def test_no_standby_on_ascend_and_a_late_one_across_nodes():
     assert not wanted(with_changes(CFG, {"train.device": "ascend"}))
-    assert not wanted(with_changes(CFG, {"run.nodes": 2, "run.master_port": 29500,
-                                         "run.coordinator": "etcd://127.0.0.1:2379"}))
+    assert wanted(with_changes(CFG, SEVERAL))                  # late: its cluster forms once activated
+    assert not wanted(with_changes(CFG, {**SEVERAL, "train.device": "ascend"}))
+
+
+def test_a_late_standby_takes_the_generations_scheduler_but_nothing_else_new():
+    """Several machines: the scheduler's address and port and the ranks' ids are the generation's (the
+    standby formed no cluster yet); anything else MindSpore reads must be what it started with; and one
+    with a scheduler is not used where this node no longer runs it."""
+    cfg = with_changes(CFG, SEVERAL)
+    standby = Standby(cfg, 29500, (0, 1), _envs(MS_SCHED_HOST="10.0.0.1"), [], {}, late=True)
+    now = standby.started_at + 1
+    assert standby.unusable(cfg, [0, 1], _envs(port="29501", MS_SCHED_HOST="10.0.0.2"), now) is None
+    assert "MindSpore environment" in standby.unusable(cfg, [0, 1], _envs(GLOG_v="1"), now)
+    assert "config changed" in standby.unusable(with_changes(cfg, {"run.nodes": 3, "parallel.dp": 3,
+                                                                   "train.global_batch": 12}), [0, 1], _envs(), now)
+    early = Standby(CFG, 5000, (0, 1), _envs(), [], {})
+    assert "MindSpore environment" in early.unusable(CFG, [0, 1], _envs(port="5001"), early.started_at + 1)
+    from daemon.standby import SCHEDULER
+
+    standby.pipes[SCHEDULER] = -1
+    assert "no longer runs the scheduler" in standby.unusable(cfg, [0, 1], _envs(), now)
+    assert standby.unusable(cfg, [0, 1], {**_envs(), SCHEDULER: {}}, now) is None
 
 
 def _envs(port="5000", **more):
