@@ -383,8 +383,8 @@ class RunConfig:
     kill_grace_s: float = 10.0     # SIGTERM to SIGKILL when a generation is torn down
     pause_release_after_s: float = 600.0  # paused this long: stop the ranks to free the devices (resume restarts them)
     compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
-    standby: bool = True           # CPU, one node: the next generation's ranks start and form their cluster
-                                   # while this one trains, so a restart skips ~5 s (daemon/standby.py)
+    standby: bool = True           # CPU: the next generation's ranks start (one node: and form their cluster)
+                                   # while this one trains, so a restart skips ~2-5 s (daemon/standby.py)
     metrics_port: int = 0          # > 0: Prometheus metrics on http://127.0.0.1:<port>/metrics (0: off)
     metrics_textfile: str = ""     # a node-exporter textfile to rewrite with the metrics ("" = off)
     log_max_bytes: int = 67108864  # events.jsonl rotates past this size (0: never) ...

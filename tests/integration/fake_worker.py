@@ -7,7 +7,9 @@ SIGTERM; faulthandler on SIGUSR1. Its
 which it resumes. Faults on cue, in chosen generations:
 
     --crash-at STEP      exit 1 after STEP          --signal-at STEP   SIGKILL itself after STEP
+    --crash-when PATH    exit 1 after the first step that finds PATH empty or holding this generation's number
     --hang-at STEP       stop stepping after STEP   --die-at-start     exit 1 before any event
+    --first-step-s S     the first step of a generation takes S seconds, the others --step-s
     --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP
     --hog-at STEP        allocate memory until killed after STEP (an out-of-memory drill)
     --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
@@ -65,6 +67,14 @@ def _new_commands(path: str | None, seen: int) -> tuple[int, list[str]]:
     return seen, names
 
 
+def _cued(path: str | None, generation: int) -> bool:
+    """A test's cue: `path` exists, empty or holding `generation`'s number."""
+    try:
+        return path is not None and Path(path).read_text().strip() in ("", str(generation))
+    except OSError:
+        return False
+
+
 def _rank() -> int:
     return int(os.environ.get(ENV_LOCAL_RANK, os.environ.get("MS_NODE_ID", "0")))
 
@@ -74,9 +84,11 @@ def main() -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--step-s", type=float, default=0.02)
+    ap.add_argument("--first-step-s", type=float)          # the first step of a generation (default: --step-s)
     ap.add_argument("--interval", type=int, default=5)
     ap.add_argument("--start-delay-s", type=float, default=0.0)
     ap.add_argument("--crash-at", type=int)
+    ap.add_argument("--crash-when")
     ap.add_argument("--signal-at", type=int)
     ap.add_argument("--hang-at", type=int)
     ap.add_argument("--die-at-start", action="store_true")
@@ -181,11 +193,13 @@ def main() -> int:
             time.sleep(0.01)
 
     lockstep(step)
+    stepped = False
     while step < a.steps:
         while a.gate_at is not None and step + 1 >= a.gate_at and not os.path.exists(a.gate) \
                 and not stop["requested"]:
             time.sleep(0.02)
-        time.sleep(a.step_s)
+        time.sleep(a.step_s if a.first_step_s is None or stepped else a.first_step_s)
+        stepped = True
         step += 1
         multiplier = 1.0
         for o in overrides:
@@ -211,8 +225,8 @@ def main() -> int:
         if "stop" in names or stop["requested"]:
             reason = "stopped"
             break
-        if faulty and a.crash_at == step:
-            print("crashing, as asked", flush=True)
+        if faulty and (a.crash_at == step or _cued(a.crash_when, generation)):
+            print(f"crashing, as asked, at unix time {time.time():.3f}", flush=True)
             return 1
         if faulty and a.signal_at == step:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -3,7 +3,8 @@
     python -m tests.integration.supervise_fake [--config FILE] --set k=v ... -- FAKE_WORKER_ARGS...
 
 With FAKE_DAEMON_DIE_AT=<point> in its environment the daemon SIGKILLs itself at that point of
-its recovery from the first incident (a real kill -9 at a chosen moment):
+its recovery from the first incident (a real kill -9 at a chosen moment); with FAKE_WORKER_NICE=<n> its
+fake ranks run at that niceness (many simulated machines on one: the ranks must not starve the daemons):
     recorded       the decision is in state.json, nothing carried out
     mid_rollback   one later checkpoint renamed aside, the others not yet
     rolled_back    the renames done, the restart not yet counted
@@ -59,7 +60,8 @@ def main() -> int:
     overrides = [argv[i + 1] for i in range(0, split, 2) if argv[i] == "--set"]
     config = next((argv[i + 1] for i in range(0, split, 2) if argv[i] == "--config"), None)
     cfg = load_config(config, overrides)
-    worker = [sys.executable, "-m", "tests.integration.fake_worker",
+    nice = ["nice", "-n", os.environ["FAKE_WORKER_NICE"]] if os.environ.get("FAKE_WORKER_NICE") else []
+    worker = [*nice, sys.executable, "-m", "tests.integration.fake_worker",
               "--run-dir", str(cfg.run.resolved_dir().resolve()), *argv[split + 1:]]
     return Supervisor(cfg, worker_cmd=worker, scheduler_cmd=None).run()
 
