@@ -161,6 +161,8 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     state = ledger.state
     record = IncidentRecord.from_dict(published["record"])
     steps = files.committed_steps()
+    if record.committed_step is not None:          # what the decider saw: a follower applying it later may
+        steps = [s for s in steps if s <= record.committed_step]     # see the next generation's checkpoints
     if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as the decider's
         state.count_restart_progress(steps[-1] if steps else 0)
     if record.committed_step is not None:

@@ -1,0 +1,53 @@
+"""A node that does not decide applies the decider's decision with the decider's view of the run: a
+checkpoint committed after the decision (the next generation's, on a loaded cluster where this node
+applies it seconds later) counts neither as progress nor as a rollback target here."""
+import io
+import json
+
+from contracts.config import load_config
+from daemon import decisions
+from daemon.eventlog import EventLog
+from daemon.incidents import Incident, Kind
+from daemon.ledger import Ledger
+from daemon.metrics import Metrics
+from daemon.notify import Notifier
+from daemon.run_files import RunFiles
+
+
+def _commit(run, step):
+    d = run / "checkpoints" / f"step-{step:08d}"
+    d.mkdir(parents=True)
+    (d / "manifest.json").write_text(json.dumps({"format": "llm-pretrain-checkpoint", "version": 1, "step": step,
+                                                 "shards": [], "tensors": {}}))
+
+
+def _node(tmp_path, rank):
+    cfg = load_config(None, [f'run.dir="{tmp_path / "run"}"', "run.nodes=2", f"run.node_rank={rank}",
+                             "parallel.dp=2", "train.micro_batch=4", 'run.coordinator="etcd://127.0.0.1:2379"',
+                             "run.master_port=29500"])
+    files = RunFiles(cfg, {})
+    files.node_dir.mkdir(parents=True, exist_ok=True)
+    out = io.StringIO()
+    ledger = Ledger(files.node_dir, EventLog(None, "r", stream=out), Metrics("r"), Notifier({}), total_steps=100)
+    return cfg, files, ledger, out
+
+
+def test_a_follower_applying_a_crash_loop_halt_late_agrees_with_the_decider(tmp_path):
+    run = tmp_path / "run"
+    _commit(run, 10)
+    nodes = [_node(tmp_path, r) for r in (0, 1)]
+    for _, _, ledger, _ in nodes:                  # two restarts without a new checkpoint so far, on both
+        ledger.state.set_last_committed(10)
+        ledger.state.restarts_without_progress = 2
+    crash = Incident(kind=Kind.CRASH, first_step=12, last_step=12, rank=1, detail="rank 1: exit code 1")
+    cfg, files, ledger, _ = nodes[0]
+    decided = decisions.decide_and_record(crash, ledger=ledger, files=files, cfg=cfg, base_cfg=cfg)
+    assert decided.action.to_dict()["type"] == "halt"          # the third restart without progress
+    _commit(run, 20)                               # committed after the decision, before node 1 applied it
+    cfg1, files1, ledger1, out1 = nodes[1]
+    published = {"record": decided.record.to_dict(), "config_changes": {}, "recovery": None,
+                 "resume_step": decided.resume_step}
+    applied = decisions.apply_published(published, ledger=ledger1, files=files1, cfg=cfg1, base_cfg=cfg1)
+    assert applied.action.to_dict() == decided.action.to_dict()
+    assert ledger1.state.restarts_without_progress == ledger.state.restarts_without_progress == 3
+    assert "decision_mismatch" not in out1.getvalue()
