@@ -54,7 +54,7 @@ class SimulatedRun:
     asks it to, in that generation."""
 
     def __init__(self, root: Path, etcd_url: str, *, machines: int, ranks_per_machine: int,
-                 lease_s: int = 3, step_s: float = 0.2, crash_rank: int | None = None,
+                 lease_s: int = 3, step_s: float = 0.2, crash_rank: int | None = None, checkpoint_every: int = 20,
                  overrides: Sequence[str] = ()):
         self.root, self.etcd_url = root, etcd_url
         self.machines, self.per_machine, self.step_s = machines, ranks_per_machine, step_s
@@ -69,7 +69,7 @@ class SimulatedRun:
                      f"run.min_nodes={max(1, machines - 1)}",
                      "run.node_rejoin_timeout_s=1", "health.restart_backoff_initial_s=0.1",
                      "health.restart_backoff_max_s=0.5", "run.kill_grace_s=2", *overrides]
-        self.fake = ["--steps", "1000000", "--interval", "20", "--step-s", str(step_s), "--first-step-s", "0.05"]
+        self.fake = ["--steps", "1000000", "--interval", str(checkpoint_every), "--step-s", str(step_s), "--first-step-s", "0.05"]
         if crash_rank is not None:
             self.fake += ["--crash-when", str(self.crash_cue), "--rank-faults", str(crash_rank)]
         self.procs: dict[int, subprocess.Popen] = {}
@@ -139,6 +139,10 @@ class SimulatedRun:
     def generation(self, machine: int) -> int:
         starts = self.events(machine, "generation_start")
         return starts[-1]["generation"] if starts else 0
+
+    def saved_in(self, generation: int) -> bool:
+        """A checkpoint was committed in `generation` (rank 0, on machine 0, saves): the run progressed."""
+        return any(e["generation"] == generation for e in self.events(0, "checkpoint_committed"))
 
     def all_stepping(self, generation: int, machines: Sequence[int] | None = None) -> bool:
         return all(self.first_step_s(m, generation) is not None
