@@ -19,7 +19,8 @@ Owns the run's keys and what each means:
 
 Who decides: any daemon of the run. When there is no leader key, the lowest-ranked live node
 campaigns at once and the others once every lower-ranked node has been absent a while (two lease
-TTLs for one never seen, as while a run starts; PREFER_LOWER_S for one seen leaving), so a fresh run
+TTLs for one never seen, as while a run starts; PREFER_LOWER_S from its key's deletion for one this
+daemon's mirror ever held, whichever joined first), so a fresh run
 is decided by node 0 and a lost decider is replaced about a second after its lease expires. A decider is deposed when it learns it is: its
 lease expired, another leader key is seen, a fenced write is refused, or its lease has gone
 unrenewed past the TTL (etcd may have expired it already).
@@ -73,8 +74,8 @@ class Coordinator:
         self._revision = 0
         self._contact = clock()                   # the last time etcd answered
         self._renewed = clock()                   # the last time this daemon's lease was renewed (sent at)
-        self._absent_since: dict[int, float] = {}  # lower-ranked nodes not live, since when (this daemon's view)
-        self._seen: set[int] = set()              # nodes this daemon has seen live
+        self._absent_since: dict[int, float] = {}  # nodes not live, since when (this daemon's view: its mirror)
+        self._seen: set[int] = set()              # nodes this daemon has seen live (in its mirror)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -150,18 +151,33 @@ class Coordinator:
         with self._lock:
             self._mirror = {kv.key.decode()[len(self.prefix):]: kv for kv in kvs}
             self._revision = revision
+            live = {n for n in map(_node_of, self._mirror) if n is not None}
+            for n in live:
+                self._live_seen(n)
+            for n in self._seen - live:
+                self._absent_since.setdefault(n, self.clock())
         self._touch()
 
     def _apply(self, batch) -> None:
         with self._lock:
             for event in batch:
                 key = event.kv.key.decode()[len(self.prefix):]
+                node = _node_of(key)
                 if event.type == "DELETE":
                     self._mirror.pop(key, None)
+                    if node is not None:                # seen leaving: from now on, absent
+                        self._absent_since[node] = self.clock()
                 else:
                     self._mirror[key] = event.kv
+                    if node is not None:
+                        self._live_seen(node)
                 self._revision = max(self._revision, event.kv.mod_revision)
         self._touch()
+
+    def _live_seen(self, node: int) -> None:
+        """Node `node` is live in the mirror (under the lock)."""
+        self._seen.add(node)
+        self._absent_since.pop(node, None)
 
     def _touch(self) -> None:
         with self._lock:
@@ -248,15 +264,12 @@ class Coordinator:
         if self.holds_leadership(now):
             return True
         live = set(self.live_nodes())
-        self._seen.update(live)
-        for n in range(self.node):
-            if n in live:
-                self._absent_since.pop(n, None)
-            else:
-                self._absent_since.setdefault(n, now)
-        if self.leader() is not None or self.node not in live:
-            return False
-        if any(n in live or now - self._absent_since[n] < self._preference_s(n) for n in range(self.node)):
+        with self._lock:               # the mirror says who was seen and since when absent; never seen: from now
+            for n in range(self.node):
+                if n not in live:
+                    self._absent_since.setdefault(n, now)
+            waits = any(n in live or now - self._absent_since[n] < self._preference_s(n) for n in range(self.node))
+        if self.leader() is not None or self.node not in live or waits:
             return False
         value = {"node": self.node, "addr": self.addr, "daemon": self.daemon}
         won, revision = self.client.txn([compare_created(self._key("leader"), 0)],
@@ -345,6 +358,12 @@ class Coordinator:
                 stale.append(op_delete(self._key(name)))
         if stale:
             self._fenced(stale)
+
+
+def _node_of(key: str) -> int | None:
+    """The node whose liveness key `key` (after the prefix) is: nodes/<n>; None for any other key."""
+    name, _, rest = key.partition("/")
+    return int(rest) if name == "nodes" and rest.isdigit() else None
 
 
 def local_addr(client: Etcd) -> str:

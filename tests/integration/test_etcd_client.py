@@ -105,3 +105,39 @@ def test_an_etcd_that_is_gone_or_frozen_is_an_error_in_bounded_time(etcd):
 @pytest.mark.parametrize("prefix, end", [(b"/a/", b"/a0"), (b"a\xff", b"b"), (b"\xff\xff", b"\0")])
 def test_prefix_end_covers_exactly_the_prefix(prefix, end):
     assert prefix_end(prefix) == end
+
+
+def _coordinator(etcd, node: int, clock):
+    from contracts.config import load_config
+    from daemon.etcd_keys import Coordinator
+
+    cfg = load_config(None, ["run.nodes=2", f"run.node_rank={node}", "parallel.dp=2", "train.micro_batch=4",
+                             f'run.coordinator="{etcd.url}"', "run.master_port=29500", "run.node_lease_ttl_s=2"])
+    return Coordinator(cfg, Etcd.from_url(etcd.url), clock=clock)
+
+
+def test_a_decider_seen_leaving_is_replaced_a_second_after_its_key_goes_whichever_daemon_joined_first(etcd):
+    """Node 1's daemon joined before node 0's (its first read held no key of node 0): once node 0, the
+    decider, is gone, node 1 waits PREFER_LOWER_S from the deletion, not two lease TTLs from its own join."""
+    from daemon.etcd_keys import PREFER_LOWER_S
+
+    now = [1000.0]
+    follower = _coordinator(etcd, 1, lambda: now[0])
+    follower.join()
+    decider = _coordinator(etcd, 0, lambda: now[0])
+    decider.join()
+    assert decider.campaign(now[0])
+    _until(lambda: 0 in follower.live_nodes() and follower.leader() is not None)
+    now[0] += 60.0                                   # it has trained a minute
+    decider.leave()                                  # its lease revoked: its keys go
+    _until(lambda: 0 not in follower.live_nodes() and follower.leader() is None)
+    assert not follower.campaign(now[0] + PREFER_LOWER_S / 2)       # a moment for node 0 to come back first
+    assert follower.campaign(now[0] + PREFER_LOWER_S + 0.1)         # then node 1 decides
+    follower.leave()
+
+
+def _until(ready, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
