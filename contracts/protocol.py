@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import json
 import math
+import os
 import time
 from typing import Any
 
@@ -283,6 +284,16 @@ MAX_SOCKET_PATH_BYTES = 107
 COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release")
 # Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
 FAULTS = ("nan", "spike", "hang", "crash", "slow", "oom")
+
+
+def take_environment(env: dict[str, str], spawned: set[str]) -> None:
+    """Makes an activation's `env` this process's environment: of the variables the supervisor gave
+    (`spawned`) those it lacks go; only what differs is set (a library's threads may be reading it)."""
+    for name in [k for k in spawned if k not in env]:
+        os.environ.pop(name, None)
+    for name, value in env.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
 
 
 DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "slow": 100}

@@ -256,9 +256,10 @@ class Generation:
         if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg) \
                 and not any(w.role == "scheduler" for w in self.workers):      # a late standby's is running
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
-        for rank in ranks if standby is None else ():
-            self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
-                            files.rank_env(env, cfg, rank=rank, port=port, generation=n, sock=self.sock_path))
+        if standby is None:
+            for rank in ranks:
+                self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
+                                files.rank_env(env, cfg, rank=rank, port=port, generation=n, sock=self.sock_path))
         return port
 
     def start_scheduler(self, cmd: Sequence[str], env: Mapping[str, str]) -> None:

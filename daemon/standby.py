@@ -12,8 +12,8 @@ master port (a fixed one is held by the training generation). On several nodes
 no daemon knows the next generation's scheduler (its address, its port) before
 the decider publishes it in etcd: there the standby is *late* — its ranks start
 the interpreter and import MindSpore and the engine, then wait, and form the
-cluster once activated with the generation's environment (the scheduler starts
-cold, on the decider). A standby is used only for a generation with the config
+cluster once activated with the generation's environment (on the decider's
+machine a scheduler likewise imports and waits). A standby is used only for a generation with the config
 and ranks it started with (the same machines in the same order: a shrunk or
 regrown run has another config) and the MindSpore environment it read (all of
 it once its cluster formed; a late one, all but the cluster's address and
@@ -81,23 +81,25 @@ class Standby:
         environments (a daemon.run_files.RunFiles); they form their cluster (a late standby: not yet)
         and wait."""
         late = cfg.run.nodes > 1
-        port = cfg.run.master_port if late else mindspore_env.free_port(cfg.run.master_addr) \
-            if cfg.parallel.world_size > 1 else 0
+        if late:
+            port = cfg.run.master_port           # a placeholder: the generation's is told at activation
+        else:
+            port = mindspore_env.free_port(cfg.run.master_addr) if cfg.parallel.world_size > 1 else 0
         standby = cls(cfg, port, tuple(ranks), {}, [], {}, late=late)
         try:
             if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg):
-                sched_env = files.scheduler_env(env, cfg, port=port, generation=number)
+                sched_env, fds = files.scheduler_env(env, cfg, port=port, generation=number), ()
                 if late:                 # imports, then waits for the generation's port like the ranks
-                    standby.envs[SCHEDULER], (read_end, standby.pipes[SCHEDULER]) = sched_env, os.pipe()
-                    sched_env = {**sched_env, ENV_STANDBY_FD: str(read_end)}
+                    read_end, standby.pipes[SCHEDULER] = os.pipe()
+                    sched_env, fds = {**sched_env, ENV_STANDBY_FD: str(read_end)}, (read_end,)
                 try:
                     standby.workers.append(spawn(scheduler_cmd, env=sched_env, role="scheduler", rank=SCHEDULER,
                                                  log_path=files.log_dir / "scheduler.log",
                                                  parent_death_signal=signal.SIGTERM,   # no ranks may come to end it
-                                                 pass_fds=(read_end,) if late else ()))
+                                                 pass_fds=fds))
                 finally:
-                    if late:
-                        os.close(read_end)
+                    for fd in fds:
+                        os.close(fd)
             for rank in ranks:
                 standby.envs[rank] = files.rank_env(env, cfg, rank=rank, port=port, generation=number, sock=sock_path)
                 read_end, standby.pipes[rank] = os.pipe()

@@ -11,17 +11,16 @@ import os
 import mindspore as ms
 from mindspore import communication
 
-from contracts.protocol import ENV_STANDBY_FD, await_activation
+from contracts.protocol import ENV_STANDBY_FD, await_activation, take_environment
 
 
 def main() -> None:
     if os.environ.get(ENV_STANDBY_FD):
+        spawned = set(os.environ)
         env = await_activation(int(os.environ[ENV_STANDBY_FD]))
         if env is None:             # retired
             os._exit(0)
-        for name in [k for k in os.environ if k not in env]:
-            os.environ.pop(name, None)
-        os.environ.update(env)
+        take_environment(env, spawned)
     ms.set_device("CPU")
     communication.init()
 

@@ -14,14 +14,21 @@ import os
 import sys
 
 from contracts.config import Config
-from contracts.protocol import ENV_EVENT_SOCKET, ENV_GENERATION, ENV_STANDBY_LATE, PhaseEvent, await_activation
+from contracts.protocol import (
+    ENV_EVENT_SOCKET,
+    ENV_GENERATION,
+    ENV_STANDBY_LATE,
+    PhaseEvent,
+    await_activation,
+    take_environment,
+)
 from engine.rank import runtime, startup
 from engine.rank.events import EventSink
 
 
 def hold(cfg: Config, fd: int) -> None:
-    """Forms the cluster (a late standby: only imports), then blocks until activated: takes the activation's environment as this
-    process's and restarts the start-up clock. Retired (the pipe closed): exits 0 at once, without
+    """Forms the cluster (a late standby: only imports), then blocks until activated: takes the
+    activation's environment as this process's and restarts the start-up clock. Retired (the pipe closed): exits 0 at once, without
     MindSpore's finalisation, which would wait for a cluster that is going away."""
     spawned = set(os.environ)                  # what the supervisor gave; MindSpore may add its own
     if os.environ.get(ENV_STANDBY_LATE) == "1":
@@ -38,9 +45,5 @@ def hold(cfg: Config, fd: int) -> None:
     if env is None:
         sys.stdout.flush()
         os._exit(0)
-    for name in [k for k in spawned if k not in env]:         # only what differs: MindSpore's threads read it
-        os.environ.pop(name, None)
-    for name, value in env.items():
-        if os.environ.get(name) != value:
-            os.environ[name] = value
+    take_environment(env, spawned)
     startup.restart()

@@ -73,6 +73,7 @@ class SimulatedRun:
         if crash_rank is not None:
             self.fake += ["--crash-when", str(self.crash_cue), "--rank-faults", str(crash_rank)]
         self.procs: dict[int, subprocess.Popen] = {}
+        self.expect_ended = False          # a daemon that exits while `wait` polls is a failure, unless set
 
     # Life ---------------------------------------------------------------------------------------
     def start(self, machine: int | None = None) -> None:
@@ -160,7 +161,7 @@ class SimulatedRun:
         deadline = time.monotonic() + timeout_s
         while not (got := ready()):
             ended = {i: p.returncode for i, p in self.procs.items() if p.poll() is not None}
-            if time.monotonic() > deadline or (ended and not getattr(self, "expect_ended", False)):
+            if time.monotonic() > deadline or (ended and not self.expect_ended):
                 tails = "".join(f"\n--- daemon {i}:\n" + (self.root / f"daemon-{i}.out").read_text()[-1500:]
                                 for i in list(ended)[:2])
                 raise AssertionError(f"timed out waiting for {what} (ended: {ended}){tails}")

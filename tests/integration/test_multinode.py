@@ -1,6 +1,7 @@
 """Two real supervisors (nodes 0 and 1 of one run, one fake rank each) agreeing through a real etcd:
 the same generations, one decision per incident applied by both, requests on either node acting on
 both, a node's daemon lost and back, and the run directory and etcd checked at the start."""
+import contextlib
 import json
 import os
 import signal
@@ -50,6 +51,17 @@ def _finish(proc, timeout=90):
         if proc.poll() is None:
             proc.kill()
     return proc.returncode, [json.loads(l) for l in out.splitlines() if l.startswith("{")], err
+
+
+@contextlib.contextmanager
+def _reaped(procs):
+    """Every daemon in `procs` (as the list is when the block ends) still running then is killed."""
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
 
 
 def _named(events, name):
@@ -259,7 +271,7 @@ def test_a_node_lost_past_the_rejoin_timeout_shrinks_the_run_and_is_taken_back_w
     # no rank steps past 100 until node 2 is back (or its generation is ended): the run cannot finish first
     three = _GatedThree(tmp_path, etcd.url)
     gate, run, procs, logs = three.gate, three.run, three.procs, three.logs
-    try:
+    with _reaped(procs):
         _wait(lambda: three.stepped(2), 30, "steps on node 2")
         procs[2].send_signal(signal.SIGKILL)          # node 2's daemon is gone; its rank ends by itself
         procs[2].wait()
@@ -269,10 +281,6 @@ def test_a_node_lost_past_the_rejoin_timeout_shrinks_the_run_and_is_taken_back_w
         _wait(lambda: _node_events(run, 0, "nodes_rejoined"), 120, "node 2 taken back")
         gate.touch()
         results = [_finish(p, 120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [r[0] for r in results] == [0, 0, 0], [r[2][-1500:] for r in results]
     ev0 = results[0][1]
     assert [e["kind"] for e in _named(ev0, "incident")][:1] == ["node_lost"]
@@ -337,16 +345,12 @@ def test_ranks_stopped_by_a_sigterm_from_outside_do_not_stop_the_run(tmp_path, e
     run = tmp_path / "run"
     procs = [_node(i, run, etcd.url, fake=["--steps", "60", "--interval", "5", "--step-s", "0.05"]) for i in (0, 1)]
     logs = [run / "logs" / f"node-{i}" / f"rank-{i}.log" for i in (0, 1)]
-    try:
+    with _reaped(procs):
         _wait(lambda: all(l.exists() and l.read_text().count('"kind": "step"') >= 10 for l in logs), 30, "steps")
         for log in logs:            # every rank, as the collective stop of a real cluster would
             os.kill(int(next(l for l in log.read_text().splitlines() if l.startswith("fake worker")).split()[-1]),
                     signal.SIGTERM)
         results = [_finish(p, 90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
     for _, events, _ in results:
         assert [e["kind"] for e in _named(events, "incident")] == ["crash"]
@@ -356,7 +360,7 @@ def test_ranks_stopped_by_a_sigterm_from_outside_do_not_stop_the_run(tmp_path, e
 def test_node_0_lost_for_good_another_decides_the_run_shrinks_and_node_0_returns_as_a_follower(tmp_path, etcd):
     three = _GatedThree(tmp_path, etcd.url)
     gate, run, procs = three.gate, three.run, three.procs
-    try:
+    with _reaped(procs):
         _wait(lambda: three.stepped(0), 30, "steps on node 0")
         assert _node_events(run, 0, "elected"), "node 0 was not the first decider"
         procs[0].send_signal(signal.SIGKILL)          # the decider's daemon is gone; its rank ends by itself
@@ -366,10 +370,6 @@ def test_node_0_lost_for_good_another_decides_the_run_shrinks_and_node_0_returns
         _wait(lambda: _node_events(run, 1, "nodes_rejoined"), 120, "node 0 taken back")
         gate.touch()
         results = [_finish(p, 120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [r[0] for r in results] == [0, 0, 0], [r[2][-1500:] for r in results]
     ev = {i: results[i][1] for i in (0, 1, 2)}
     assert [e["node"] for e in _named(ev[1], "elected")] == [1] and not _named(ev[2], "elected")
@@ -419,15 +419,11 @@ def test_with_two_nodes_the_survivor_of_node_0_decides_and_ends_with_75_below_mi
     node0 = _node(0, run, etcd.url, "run.node_rejoin_timeout_s=3", fake=fake)
     node1 = _node(1, run, etcd.url, "run.node_rejoin_timeout_s=3", fake=fake)
     log = run / "logs" / "node-1" / "rank-1.log"
-    try:
+    with _reaped([node0, node1]):
         _wait(lambda: log.exists() and log.read_text().count('"kind": "step"') >= 10, 30, "steps on node 1")
         node0.send_signal(signal.SIGKILL)
         node0.wait()
         code, events, err = _finish(node1, 60)
-    finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
     assert code == 75, err[-2000:]
     assert _named(events, "waiting_for_decider") and _named(events, "elected")
     final = _named(events, "daemon_exit")[0]
@@ -473,7 +469,7 @@ def test_an_embedded_etcd_of_three_members_outlives_node_0_with_its_member(tmp_p
     members = ",".join(f"127.0.0.1:{_free_port()}:{_free_port()}" for _ in range(3))
     three = _GatedThree(tmp_path, "embedded", f'run.coordinator_members="{members}"')
     gate, run, procs = three.gate, three.run, three.procs
-    try:
+    with _reaped(procs):
         _wait(lambda: three.stepped(0), 60, "steps on node 0")
         assert len({e["detail"] for i in (0, 1, 2) for e in _node_events(run, i, "etcd_member")}) == 3
         member0 = json.loads((run / "nodes" / "node-0" / "etcd.json").read_text())["pid"]
@@ -483,10 +479,6 @@ def test_an_embedded_etcd_of_three_members_outlives_node_0_with_its_member(tmp_p
         _wait(lambda: _node_events(run, 1, "nodes_shrunk"), 90, "a generation of nodes 1 and 2")
         gate.touch()
         results = [_finish(p, 120) for p in procs[1:]]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
     ev1 = results[0][1]
     assert _named(ev1, "elected") and _named(ev1, "nodes_shrunk")[0]["members"] == [1, 2]
@@ -499,17 +491,14 @@ def test_each_machine_keeps_a_late_standby_and_a_rank_crash_restarts_both_on_the
     decider publishes; after a crash on node 1 both nodes' next generation runs on them."""
     run, gate = tmp_path / "run", tmp_path / "gate"
     fake = ["--steps", "40", "--step-s", "0.05", "--interval", "5", "--crash-at", "20", "--rank-faults", "1",
-            "--fault-generations", "1", "--gate-at", "20", "--gate", str(gate)]
+            "--fault-generations", "1", "--gate-at", "20", "--gate", str(gate),
+            "--lockstep", str(tmp_path / "lockstep"), "--lockstep-world", "2"]    # neither rank ends the run alone
     procs = [_node(i, run, etcd.url, fake=fake) for i in (0, 1)]
-    try:
+    with _reaped(procs):
         _wait(lambda: _node_events(run, 0, "standby_ready") and _node_events(run, 1, "standby_ready"), 60,
               "a standby ready on both nodes")
         gate.touch()                                 # then the crash after step 20 on node 1
         results = [_finish(p, 90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
     for i, (_, events, _) in enumerate(results):
         started, gens = _named(events, "standby_started")[0], _named(events, "generation_start")
@@ -527,17 +516,13 @@ def test_each_machine_keeps_a_late_standby_and_a_rank_crash_restarts_both_on_the
 def test_a_standby_started_for_three_machines_is_not_used_by_a_run_shrunk_to_two(tmp_path, etcd):
     three = _GatedThree(tmp_path, etcd.url)
     run, procs = three.run, three.procs
-    try:
+    with _reaped(procs):
         _wait(lambda: all(_node_events(run, i, "standby_ready") for i in (0, 1, 2)), 60, "standbys ready")
         procs[2].send_signal(signal.SIGKILL)
         procs[2].wait()
         _wait(lambda: _node_events(run, 0, "nodes_shrunk"), 60, "a generation of nodes 0 and 1")
         three.gate.touch()
         results = [_finish(p, 120) for p in procs[:2]]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
     assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
     for _, events, _ in results:
         gens = _named(events, "generation_start")
