@@ -111,8 +111,10 @@ def _add_operations(sub) -> None:
 
     inject = sub.add_parser("inject", help="fault drill: ask a running daemon's ranks for a fault (needs "
                                            "health.allow_fault_injection = true)")
-    inject.add_argument("fault", choices=FAULTS, help="nan: non-finite gradients; spike: a window of shuffled "
-                        "batches; hang; crash (SIGKILL); slow: sleep before each step; oom: exceed the memory limit")
+    inject.add_argument("fault", choices=FAULTS, help="nan: non-finite gradients once; spike: a window of random-token "
+                        "batches (bad data: a rerun reads it again); bitflip: one exponent bit flipped once, the rank's "
+                        "gradients overflow (a transient device fault); hang; crash (SIGKILL); slow: sleep before each "
+                        "step; oom: exceed the memory limit")
     inject.add_argument("run", metavar="RUN", help="a run directory, or a run name")
     inject.add_argument("--rank", type=int, default=0, help="the rank that misbehaves (default 0)")
     inject.add_argument("--at-step", type=int, metavar="S", help="the first step affected (default: the next)")

@@ -151,6 +151,8 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
                 "reason": incident.action.reason if incident.action else incident.incident.detail,
                 "drill": "drill" in incident.incident.evidence},
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
+            "triage": dict(state.triage), "rerun_pending": None if not state.rerun else {
+                k: state.rerun[k] for k in ("kind", "first_step", "last_step", "checkpoint_step")},
             "config_changes": state.config_changes or None,
             "last_request": None if not state.last_control else {
                 "name": state.last_control["name"], "age_s": round(now - state.last_control["unix_s"], 1),
@@ -196,6 +198,12 @@ def render(s: dict[str, Any]) -> str:
              f"{inc['kind']}{' (drill)' if inc.get('drill') else ''} at step {inc['first_step']} -> "
              f"{inc['action'] or 'warning'}: {inc['reason'] or ''}"),
             ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
+    if s.get("triage") or s.get("rerun_pending"):
+        verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s.get("triage", {}).items())) or "none yet"
+        pending = s.get("rerun_pending")
+        rows.append(("reruns", verdicts + (f"; rerunning {pending['kind']} steps {pending['first_step']}-"
+                                           f"{pending['last_step']} from step {pending['checkpoint_step']}"
+                                           if pending else "")))
     req = s["last_request"]
     if req:
         rows.append(("last request", f"{req['name']} ({_duration(req['age_s'])} ago)" +

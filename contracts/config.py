@@ -234,6 +234,13 @@ class HealthConfig:
     """Incident detection and the recovery policy's limits."""
 
     allow_fault_injection: bool = False  # honour fault drills (`inject` commands) in the workers
+    rerun: bool = True                   # before a NaN, loss spike or collapse (or a grad-norm spike acted on) is
+                                         # rolled back, re-run its steps from the checkpoint before them: reproduced
+                                         # -> the data or the numbers (the policy below); not -> a transient fault,
+                                         # training goes on from the rerun (no rollback, no skip, no lr cut)
+    rerun_rtol: float = 0.0              # reproduced: each rerun step's loss and grad norm within this relative
+                                         # tolerance of the first run's (0: bit for bit; CPU and Ascend's deterministic
+                                         # mode repeat a step exactly, other devices need a tolerance)
     loss_spike_window_steps: int = 50    # trailing steps whose median and MAD are the baseline
     loss_spike_mad_k: float = 4.0        # a step is high above median + k x MAD-sigma ...
     loss_spike_min_rel: float = 0.1      # ... and at least this fraction above the median
@@ -290,6 +297,7 @@ class HealthConfig:
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0)
         _in_range("health.loss_collapse_min_rel", self.loss_collapse_min_rel, 0.0, 1.0, open_low=True)
         _choice("health.grad_norm_action", self.grad_norm_action, ("warn", "rollback"))
+        _in_range("health.rerun_rtol", self.rerun_rtol, 0.0, 1.0)
         _in_range("health.grad_norm_burst_factor", self.grad_norm_burst_factor, 0.0, 1e9)
         for key in ("rollback_margin_steps", "lr_hold_steps", "lr_ramp_steps", "recur_window_steps",
                     "loss_scale_cap_steps"):

@@ -242,6 +242,37 @@ class RecoveryDirective:
         return cls.from_dict(json.loads(text))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RerunDirective:
+    """A generation that re-runs an incident's steps before the policy acts on it (health.rerun): it
+    resumes from `checkpoint_step` (the newest healthy checkpoint before `first_step`) with nothing else
+    changed, and the daemon compares its steps `first_step`..`last_step` with the first run's. The
+    ranks read it (`<run.dir>/rerun.json`) only for the drills that are in the data (`drills`: the
+    `inject` arguments of a `spike` drill, read again as bad data would be); a device drill is not."""
+
+    kind: str                        # the incident's kind
+    first_step: int
+    last_step: int
+    checkpoint_step: int
+    drills: tuple[dict[str, Any], ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "first_step": self.first_step, "last_step": self.last_step,
+                "checkpoint_step": self.checkpoint_step, "drills": [dict(d) for d in self.drills]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RerunDirective":
+        return cls(kind=str(d["kind"]), first_step=int(d["first_step"]), last_step=int(d["last_step"]),
+                   checkpoint_step=int(d["checkpoint_step"]), drills=tuple(dict(x) for x in d.get("drills") or ()))
+
+    @classmethod
+    def from_json(cls, text: str) -> "RerunDirective":
+        return cls.from_dict(json.loads(text))
+
+
 EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent,
                "data_fault": DataFaultEvent, "eval": EvalEvent}
 
@@ -251,6 +282,7 @@ ENV_EVENT_SOCKET = "LLM_PRETRAIN_EVENT_SOCKET"   # path of the supervisor's UNIX
 ENV_COMMANDS = "LLM_PRETRAIN_COMMANDS"           # path of the commands file
 ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 first
 ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
+ENV_RERUN = "LLM_PRETRAIN_RERUN"                 # path of the rerun directive (JSON) of a generation that reruns
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
 ENV_STANDBY_LATE = "LLM_PRETRAIN_STANDBY_LATE"   # "1": it forms its cluster once activated (several machines)
@@ -283,7 +315,7 @@ MAX_SOCKET_PATH_BYTES = 107
 
 COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release")
 # Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
-FAULTS = ("nan", "spike", "hang", "crash", "slow", "oom")
+FAULTS = ("nan", "spike", "bitflip", "hang", "crash", "slow", "oom")
 
 
 def take_environment(env: dict[str, str], spawned: set[str]) -> None:
@@ -296,7 +328,8 @@ def take_environment(env: dict[str, str], spawned: set[str]) -> None:
             os.environ[name] = value
 
 
-DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "slow": 100}
+DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "bitflip": 1, "slow": 100}
+DATA_FAULTS = ("spike",)   # drills that are in the data: a rerun of their steps reads them again
 DEFAULT_DRILL_SECONDS = {"hang": 3600.0, "slow": 0.5}
 
 

@@ -19,7 +19,7 @@ from checkpointing import layout
 from contracts.config import Config, HealthConfig, with_changes
 from contracts.protocol import ExitCode, RecoveryDirective
 from daemon import policy, watch
-from daemon.incidents import Action, Halt, Incident, IncidentRecord, Rollback
+from daemon.incidents import Action, Halt, Incident, IncidentRecord, Rerun, Rollback
 from daemon.ledger import Ledger
 from daemon.run_files import RunFiles
 
@@ -42,13 +42,13 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     if incident.kind.is_process_fault:
         state.count_restart_progress(committed)
     state.set_last_committed(committed)
-    history = _history(ledger, steps)
+    history = _history(ledger, steps, memory_steps=files.memory_steps() if cfg.run.nodes == 1 else ())
     action = policy.decide(incident, history, cfg.health, cfg.train)
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
     _record_decision(ledger, record)                        # on disk before anything is done
     resume = committed
-    if isinstance(action, Rollback):
+    if isinstance(action, (Rollback, Rerun)):
         resume = finish_rollback(ledger, files, cause=incident.kind.value, reason=action.reason,
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
@@ -63,13 +63,15 @@ def _record_decision(ledger: Ledger, record: IncidentRecord, *,
     ledger.record(record, "incident", "error", in_force=in_force)
 
 
-def _history(ledger: Ledger, steps: list[int]) -> policy.RunHistory:
-    """What the policy is told of the run: its rollbacks, checkpoints, restarts, samples, quarantine."""
+def _history(ledger: Ledger, steps: list[int], memory_steps: list[int] | tuple = ()) -> policy.RunHistory:
+    """What the policy is told of the run: its rollbacks, checkpoints (the RAM tier's: one machine's,
+    for a rerun), restarts, samples, quarantine, and where reruns found a transient fault."""
     state = ledger.state
     return policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
                              committed_steps=steps, restarts_without_progress=state.restarts_without_progress,
                              sample_ranges=ledger.sample_ranges,
-                             quarantined=state.recovery.quarantined_blocks if state.recovery else ())
+                             quarantined=state.recovery.quarantined_blocks if state.recovery else (),
+                             transient_steps=tuple(state.transient_steps), memory_steps=tuple(memory_steps))
 
 
 def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
@@ -142,7 +144,7 @@ class Backoff:
                                                       max=health.restart_backoff_max_s, jitter=1.0)
 
     def delay_s(self, decision: Decision, restarts_without_progress: int) -> float:
-        if isinstance(decision.action, Rollback) or restarts_without_progress == 0:
+        if isinstance(decision.action, (Rollback, Rerun)) or restarts_without_progress == 0:
             return 0.0
         return self._wait(_Attempt(restarts_without_progress))
 

@@ -29,6 +29,8 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.validated(e.event)
         elif isinstance(e, watch.Warned):
             ledger.warn(e.incident)
+        elif isinstance(e, watch.Triaged):
+            ledger.triaged(e.verdict, e.first_step, dict(e.evidence))
         elif isinstance(e, watch.CheckpointFailed):
             ledger.checkpoint_failed(e.step, e.detail)
         elif isinstance(e, watch.Committed):

@@ -113,6 +113,20 @@ class Rollback:
 
 
 @dataclasses.dataclass(frozen=True)
+class Rerun:
+    """Before acting on a numerical incident: re-run its steps from the checkpoint before them, nothing
+    else changed; the watch of that generation compares them with the first run's (the triage)."""
+    reason: str
+    checkpoint_step: int                      # resume from this committed step (0: from scratch)
+    first_step: int                           # the incident's steps, compared
+    last_step: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"type": "rerun", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
+                "first_step": self.first_step, "last_step": self.last_step}
+
+
+@dataclasses.dataclass(frozen=True)
 class Halt:
     reason: str
     code: int
@@ -121,7 +135,7 @@ class Halt:
         return {"type": "halt", "reason": self.reason, "code": int(self.code)}
 
 
-Action = Restart | Rollback | Halt
+Action = Restart | Rollback | Rerun | Halt
 
 
 def action_from_dict(d: Mapping[str, Any] | None) -> Action | None:
@@ -135,6 +149,9 @@ def action_from_dict(d: Mapping[str, Any] | None) -> Action | None:
                         lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides") or ()),
                         loss_scale=d.get("loss_scale"), loss_scale_cap_until_step=d.get("loss_scale_cap_until_step"),
                         quarantine=tuple((str(f), int(b)) for f, b in d.get("quarantine") or ()))
+    if d["type"] == "rerun":
+        return Rerun(d["reason"], checkpoint_step=int(d["checkpoint_step"]), first_step=int(d["first_step"]),
+                     last_step=int(d["last_step"]))
     return Halt(d["reason"], int(d["code"]))
 
 

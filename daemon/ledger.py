@@ -151,6 +151,16 @@ class Ledger:
         self.save()
         self.emit(event, level=level, **record.log_fields())
 
+    def triaged(self, verdict: str, first_step: int, evidence: dict[str, Any]) -> None:
+        """A rerun's verdict (daemon.triage): into state.json (the pending rerun is settled), the metrics
+        and the log — a transient fault as a warning (training went on past it)."""
+        self.state.triaged(verdict, first_step)
+        self.metrics.count_triage(verdict)
+        self.save()
+        detail = ("not reproduced: a transient fault; training goes on from the rerun (no rollback, no skip, no lr cut)"
+                  if verdict == "transient" else "reproduced: the data or the numbers; the policy acts on it")
+        self.emit("triage", level="warning" if verdict == "transient" else "info", detail=detail, **evidence)
+
     def warn(self, incident: Incident) -> None:
         """A health warning: recorded and reported, never acted on."""
         self.record(IncidentRecord(incident=incident, generation=self.state.generation, unix_s=time.time()),

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from checkpointing import layout
 from daemon.incidents import Kind
+from daemon.triage import VERDICTS
 from durable import write_atomically
 
 PREFIX = "llm_pretrain"
@@ -40,6 +41,7 @@ class Metrics:
         self.generation = 0
         self.restarts = 0
         self.incidents: Counter[str] = Counter()
+        self.triage: Counter[str] = Counter()     # reruns' verdicts (daemon.triage)
         self.last_checkpoint_unix_s: float | None = None
         self.checkpoints_failing_since_step = 0
         self.tokens_total = 0
@@ -66,6 +68,10 @@ class Metrics:
         with self._lock:
             self.incidents[kind] += 1
 
+    def count_triage(self, verdict: str) -> None:
+        with self._lock:
+            self.triage[verdict] += 1
+
     def render(self, now: float | None = None) -> str:
         label = f'run="{self.run}"'
         with self._lock:
@@ -90,6 +96,7 @@ class Metrics:
             if self.exit_code is not None:
                 rows.append(("exit_code", "gauge", "the daemon's exit status (see the README's table)", self.exit_code))
             incidents, status, info = dict(self.incidents), self.status, dict(self.info)
+            triage = dict(self.triage)
         out = []
         for name, kind, help_text, value in rows:
             out += [f"# HELP {PREFIX}_{name} {help_text}", f"# TYPE {PREFIX}_{name} {kind}",
@@ -102,6 +109,10 @@ class Metrics:
         out += [f"# HELP {PREFIX}_incidents_total incidents by kind (warnings included)",
                 f"# TYPE {PREFIX}_incidents_total counter"]
         out += [f'{PREFIX}_incidents_total{{{label},kind="{k.value}"}} {incidents.get(k.value, 0)}' for k in Kind]
+        out += [f"# HELP {PREFIX}_reruns_total numerical incidents re-run before acting, by verdict "
+                "(transient: training went on from the rerun; deterministic: the policy acted)",
+                f"# TYPE {PREFIX}_reruns_total counter"]
+        out += [f'{PREFIX}_reruns_total{{{label},verdict="{v}"}} {triage.get(v, 0)}' for v in VERDICTS]
         return "\n".join(out) + "\n"
 
     # outputs -----------------------------------------------------------------
@@ -180,6 +191,7 @@ class Metrics:
                     checkpoints_failing_since_step=state.checkpoints_failing_since or 0)
         for record in state.incidents:
             self.count_incident(record.kind.value)
+        self.update(triage=Counter(state.triage))
         if run.metrics_textfile:
             self.textfile(Path(run.metrics_textfile))
             self.flush(force=True)

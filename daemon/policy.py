@@ -15,6 +15,12 @@ The recovery ladder:
 - corrupt data (corpus blocks failing their checksums, found before training on them): resume
   from the newest healthy checkpoint before that step with the blocks quarantined (their samples
   are passed over); beyond `max_quarantined_fraction` of the corpus, give up (exit 65).
+Before any of the numerical rows (spike, collapse, grad-norm spike acted on, non-finite) — with
+`health.rerun` — the incident's steps are re-run first from the newest healthy checkpoint before them,
+nothing else changed (a Rerun): the watch of that generation compares the rerun with the first run.
+Reproduced, the incident comes back with its `triage` evidence and its row decides; not reproduced,
+it was transient and training goes on from the rerun. An incident at a step a rerun already found
+transient is not re-run again (a fault that comes back where a rerun passed is no passing fault).
 Warnings are recorded, never decided on. Checkpoint health is derived from the incident log, never stamped.
 Also: merging a rollback into the recovery directive in force. No clocks, files or processes here.
 """
@@ -25,7 +31,7 @@ from typing import Callable, Sequence
 
 from contracts.config import HealthConfig, TrainConfig
 from contracts.protocol import ExitCode, LrOverride, RecoveryDirective
-from daemon.incidents import Action, Halt, Incident, Kind, Restart, Rollback
+from daemon.incidents import Action, Halt, Incident, Kind, Rerun, Restart, Rollback
 
 NUMERIC = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
 
@@ -39,6 +45,8 @@ class RunHistory:
     restarts_without_progress: int = 0            # counting the incident being decided
     sample_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # step -> [a, b)
     quarantined: Sequence[tuple[str, int]] = ()   # corpus blocks quarantined so far
+    transient_steps: Sequence[int] = ()           # first steps of incidents a rerun found transient
+    memory_steps: Sequence[int] = ()              # the RAM tier's committed checkpoints (a rerun's nearest start)
 
 
 def is_healthy(step: int, incidents: Sequence[Incident], margin: int) -> bool:
@@ -83,7 +91,19 @@ def _rollback_target(incident: Incident, history: RunHistory, h: HealthConfig) -
 
 
 def _numeric(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
+    if h.rerun and "triage" not in incident.evidence and incident.first_step not in history.transient_steps:
+        return _rerun(incident, history, h)
     return _cut_lr(incident.kind, incident, history, h, _rollback_target(incident, history, h))
+
+
+def _rerun(incident: Incident, history: RunHistory, h: HealthConfig) -> Rerun:
+    """The incident's steps again from the newest healthy checkpoint before them: data or device?"""
+    steps = sorted({*history.committed_steps, *history.memory_steps})
+    target = newest_healthy(steps, history.incidents, h.rollback_margin_steps, before_step=incident.first_step)
+    first, last = incident.first_step, incident.last_step
+    span = f"step {first}" if first == last else f"steps {first}-{last}"
+    return Rerun(f"{incident.kind.value}: rerun {span} from step {target} to tell the data from the device",
+                 checkpoint_step=target, first_step=first, last_step=last)
 
 
 def _overflow_storm(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:

@@ -22,8 +22,10 @@ from contracts.protocol import (
     ENV_EVENT_SOCKET,
     ENV_MEMORY_LIMIT,
     ENV_RECOVERY,
+    ENV_RERUN,
     Command,
     RecoveryDirective,
+    RerunDirective,
 )
 from daemon import mindspore_env
 from daemon.generation import worker_env
@@ -46,6 +48,7 @@ class RunFiles:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.commands = self.run_dir / "commands.jsonl"
         self.recovery = self.run_dir / "recovery.json"
+        self.rerun = self.run_dir / "rerun.json"
         self.resolved_config = self.run_dir / RESOLVED_CONFIG
         self.memory_dir = cfg.checkpoint.memory_dir
         local = cfg.parallel.world_size // cfg.run.nodes
@@ -60,6 +63,11 @@ class RunFiles:
             return layout.memory_root(self.run_dir, self.memory_dir)
         except OSError:
             return None
+
+    def memory_steps(self) -> list[int]:
+        """The RAM tier's committed checkpoints (none without one)."""
+        memory = self.memory_root()
+        return layout.committed_steps(memory) if memory is not None and memory.is_dir() else []
 
     @property
     def cgroup_dir(self) -> str:
@@ -93,9 +101,10 @@ class RunFiles:
         return steps[-1] if steps else 0
 
     # A generation's files ----------------------------------------------------------------------
-    def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None) -> int:
-        """The resolved config, the recovery directive and an empty commands file, ready for the ranks;
-        returns the step they resume from."""
+    def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None,
+                           rerun: dict | None = None) -> int:
+        """The resolved config, the recovery directive, the rerun directive of a generation that reruns an
+        incident's steps and an empty commands file, ready for the ranks; returns the step they resume from."""
         resolved = with_changes(cfg, {"run.dir": str(self.run_dir), "run.log_dir": str(self.log_dir)})
         write_atomically(self.resolved_config, to_toml(resolved, [
             "written by the llm-pretrain daemon for each generation: the config its ranks run with",
@@ -104,6 +113,10 @@ class RunFiles:
             write_atomically(self.recovery, recovery.to_json())
         else:
             self.recovery.unlink(missing_ok=True)
+        if rerun is not None:
+            write_atomically(self.rerun, RerunDirective.from_dict(rerun).to_json())
+        else:
+            self.rerun.unlink(missing_ok=True)
         self._seq = 0
         self.commands.write_text("")               # commands are per generation
         return self.committed_step()
@@ -123,6 +136,8 @@ class RunFiles:
         base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands)})
         if self.recovery.exists():
             base[ENV_RECOVERY] = str(self.recovery)
+        if self.rerun.exists():
+            base[ENV_RERUN] = str(self.rerun)
         if cfg.run.worker_memory_limit_bytes:
             base[ENV_MEMORY_LIMIT] = str(cfg.run.worker_memory_limit_bytes)
         if cfg.run.compile_cache:

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from contracts.errors import DataError
-from contracts.protocol import RecoveryDirective
+from contracts.protocol import DATA_FAULTS, RecoveryDirective, RerunDirective
 from daemon.eventlog import non_finite_floats, strict_json
-from daemon.incidents import Incident, IncidentRecord, Restart, Rollback
+from daemon.incidents import Incident, IncidentRecord, Rerun, Restart, Rollback
 from daemon.policy import merge_recovery
 from durable import fsync_path, write_atomically
 
@@ -56,6 +56,10 @@ class RunState:
     recovery: RecoveryDirective | None = None     # the policy's directive in force
     config_changes: dict[str, Any] = dataclasses.field(default_factory=dict)  # "section.key" -> value, by policy
     pending_rollback: int | None = None  # a rollback target decided and recorded, its renames not yet done
+    rerun: dict[str, Any] | None = None  # a rerun decided, its verdict not yet in: a RerunDirective's fields, with
+                                         # `observed` (the first run's values of its steps) and `generation`
+    triage: dict[str, int] = dataclasses.field(default_factory=dict)   # reruns' verdicts so far, by verdict
+    transient_steps: list[int] = dataclasses.field(default_factory=list)   # where reruns found a transient fault
     undecided: dict[str, Any] | None = None   # an incident that ended a generation, not yet decided (an Incident)
     checkpoints_failing_since: int | None = None   # the step of the first failed save since the last commit
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
@@ -101,6 +105,8 @@ class RunState:
             fields["recovery"] = RecoveryDirective.from_dict(fields["recovery"]) if fields.get("recovery") else None
         except (KeyError, TypeError, ValueError) as e:
             raise _Invalid(f"recovery is not a recovery directive: {_reason(e)}") from None
+        if fields.get("rerun"):
+            fields["rerun"] = non_finite_floats(fields["rerun"])
         fields["last_progress"] = non_finite_floats(fields.get("last_progress") or {})
         fields["last_validation"] = non_finite_floats(fields.get("last_validation") or {})
         return cls(**fields)
@@ -179,6 +185,18 @@ class RunState:
         elif isinstance(action, Rollback):
             self.recovery = merge_recovery(self.recovery, action)
             self.pending_rollback = action.checkpoint_step
+        elif isinstance(action, Rerun):          # the directive in force is kept; only the newer checkpoints go
+            self.pending_rollback = action.checkpoint_step
+        if isinstance(action, Rerun):
+            self.rerun = rerun_of(record)
+
+    def triaged(self, verdict: str, first_step: int) -> None:
+        """The pending rerun's verdict: `transient` (training went on from the rerun) or `deterministic`
+        (the incident is decided again, on its own row of the policy)."""
+        self.rerun = None
+        self.triage[verdict] = self.triage.get(verdict, 0) + 1
+        if verdict == "transient":
+            self.transient_steps.append(first_step)
 
     def rollback_done(self, resume_step: int | None = None) -> None:
         """The pending rollback's renames are done; the run resumes from `resume_step` (None: not known,
@@ -226,6 +244,18 @@ class RunState:
         self.updated_unix_s = time.time()
         write_atomically(run_dir / STATE_FILE, json.dumps(strict_json(self.to_dict()), indent=1, sort_keys=True,
                                                           allow_nan=False))
+
+
+def rerun_of(record: IncidentRecord) -> dict[str, Any]:
+    """What the generation that reruns `record`'s incident is told (a RerunDirective: the drills its
+    ranks read again are those in the data) and what its watch compares (the first run's values)."""
+    incident, action = record.incident, record.action
+    drill = incident.evidence.get("drill")
+    drills = (dict(drill),) if isinstance(drill, dict) and drill.get("fault") in DATA_FAULTS else ()
+    directive = RerunDirective(kind=incident.kind.value, first_step=action.first_step, last_step=action.last_step,
+                               checkpoint_step=action.checkpoint_step, drills=drills)
+    return {**directive.to_dict(), "observed": dict(incident.evidence.get("observed") or {}),
+            "generation": record.generation}
 
 
 def set_aside(run_dir: Path, now_s: float) -> Path:

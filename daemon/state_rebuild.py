@@ -24,6 +24,7 @@ from typing import Any, Iterable, Mapping
 from daemon.eventlog import non_finite_floats, ts_unix_s
 from daemon.incidents import IncidentRecord
 from daemon.state import RunState
+from daemon.triage import VERDICTS
 
 COUNTS = ("events", "incidents", "warnings", "rollbacks", "restarts", "unreadable")
 
@@ -55,6 +56,8 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
             if record.is_rollback:
                 counts["rollbacks"] += 1
                 decided_in = record.generation
+        elif name == "triage" and e.get("verdict") in VERDICTS:     # a rerun's verdict: the rerun is settled
+            state.triaged(e["verdict"], _int(e.get("first_step"), 0))
         elif name == "rollback":            # the renames of the recorded rollback were done
             state.rollback_done()
         elif name == "restart":

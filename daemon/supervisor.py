@@ -165,7 +165,7 @@ class Supervisor:
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
                             resume_step=resume, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
                             config_changes=self.state.config_changes or None, standby=gen.from_standby)
-                w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(),
+                w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(), rerun=self.state.rerun,
                                 log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
                 outcome = self._watch(gen, w, n)
                 if isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off"):   # multi-node

@@ -28,6 +28,7 @@ from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
 from daemon.straggler import StragglerDetector
+from daemon.triage import RerunCheck, observed_values
 
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
 PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often
@@ -35,7 +36,7 @@ PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progres
 
 
 # The incidents each fault drill is expected to cause (a drill's incident is labelled as such).
-DRILL_KINDS = {"nan": {Kind.NON_FINITE, Kind.OVERFLOW_STORM},
+DRILL_KINDS = {"nan": {Kind.NON_FINITE, Kind.OVERFLOW_STORM}, "bitflip": {Kind.NON_FINITE, Kind.OVERFLOW_STORM},
                "spike": {Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.GRAD_NORM_BURST},
                "hang": {Kind.HANG}, "crash": {Kind.CRASH}, "oom": {Kind.OOM},
                "slow": {Kind.STRAGGLER, Kind.THROUGHPUT_REGRESSION, Kind.HANG}}
@@ -102,6 +103,14 @@ class Warned:
 
 
 @dataclasses.dataclass(frozen=True)
+class Triaged:
+    """A rerun's verdict (daemon.triage): transient or deterministic, with its evidence."""
+    verdict: str
+    first_step: int
+    evidence: Mapping[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class Committed:
     """A checkpoint was committed (retention, metrics, the `checkpoint_committed` event) while the
     watched rank was at `current_step`; `rank` reported it."""
@@ -124,7 +133,8 @@ class DumpStacks:
     ranks: tuple[int, ...]
 
 
-Effect = Send | Note | Status | Progress | Validated | Warned | Committed | CheckpointFailed | DumpStacks
+Effect = Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | CheckpointFailed | DumpStacks
+OBSERVED_KEPT = 512          # the watched rank's recent steps whose values a rerun compares
 
 
 # Outcomes: how a generation ends ------------------------------------------------------------
@@ -205,7 +215,8 @@ class _Exit:
 
 class Watch:
     def __init__(self, cfg: Config, *, generation: int, ranks: Sequence[int], monitor: HealthMonitor, now: float,
-                 log_paths: Mapping[int, str] | None = None, stop_reason: str | None = None):
+                 log_paths: Mapping[int, str] | None = None, stop_reason: str | None = None,
+                 rerun: Mapping[str, Any] | None = None):
         self.cfg, self.generation, self.monitor = cfg, generation, monitor
         self.ranks = list(ranks)
         self.watched = self.ranks[0]          # its step events feed the detectors (the metrics are global)
@@ -228,6 +239,11 @@ class Watch:
         self._exits: dict[int, _Exit] = {}
         self._incident: Incident | None = None
         self._drills: list[dict[str, Any]] = []      # inject commands sent to this generation
+        # a generation that reruns an incident's steps (daemon.triage), its data drills read again
+        self.rerun = RerunCheck(rerun, cfg.health.rerun_rtol) if rerun else None
+        self._drills += [dict(d) for d in (rerun or {}).get("drills") or ()]
+        self._held: Incident | None = None           # the rerun's own detection of its incident, for its verdict
+        self._recent: dict[int, list] = {}           # step -> observed_values of the watched rank
         self._status_at = self._logged_at = -1e18
         self._effects: list[Effect] = []
         if stop_reason:
@@ -317,8 +333,34 @@ class Watch:
         self._status_at = now if notify else self._status_at
         self._logged_at = now if log else self._logged_at
         self._do(Progress(ev, log=log, notify=notify, compiled=compiled))
+        self._recent.pop(ev.step, None)
+        self._recent[ev.step] = observed_values(ev)
+        if len(self._recent) > OBSERVED_KEPT:
+            del self._recent[next(iter(self._recent))]
         if self._incident is None:
-            self._judge(self.monitor.observe(ev), ev.step)
+            found = self.monitor.observe(ev)
+            if self.rerun is not None and self.rerun.verdict is None:
+                found = self._triage(ev, found)
+            self._judge(found, ev.step)
+
+    def _triage(self, ev: StepEvent, found: list[Incident]) -> list[Incident]:
+        """While a rerun's steps run, its verdict decides: the incidents it would reproduce are held;
+        `deterministic` brings the incident back (with the verdict as its `triage` evidence) for the
+        policy to decide on, `transient` lets training go on."""
+        check = self.rerun
+        held = [i for i in found if i.needs_action and i.first_step <= check.last]
+        found = [i for i in found if i not in held]
+        self._held = self._held or (held[0] if held else None)
+        verdict = check.observe(ev)
+        if verdict is None:
+            return found
+        evidence = check.evidence(self.generation)
+        self._do(Triaged(verdict, check.first, evidence))
+        if verdict == "transient":
+            return found
+        again = self._held or Incident(kind=Kind(check.kind), first_step=check.first, last_step=check.last,
+                                       detail="reproduced by its rerun")
+        return [dataclasses.replace(again, evidence={**again.evidence, "triage": evidence}), *found]
 
     def _judge(self, incidents: Sequence[Incident], step: int) -> None:
         """Warnings are recorded; the first incident that needs action ends the generation."""
@@ -328,6 +370,11 @@ class Watch:
             if not incident.needs_action:
                 self._do(Warned(self._labelled(incident)))
                 continue
+            if not incident.kind.is_process_fault and incident.kind is not Kind.DATA_CORRUPT:
+                # what a rerun of its steps is compared with (daemon.triage)
+                observed = {str(s): self._recent[s] for s in range(incident.first_step, incident.last_step + 1)
+                            if s in self._recent}
+                incident = dataclasses.replace(incident, evidence={**incident.evidence, "observed": observed})
             self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": step,
                                                          "first_step": incident.first_step,
                                                          "evidence": dict(incident.evidence)}))

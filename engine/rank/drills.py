@@ -1,13 +1,20 @@
 """Fault drills: what an `inject` command does inside a rank, so operators can rehearse recovery.
 
 Owns: turning agreed `inject` commands into faults at chosen steps of this
-generation (a drill is one-shot: a restarted generation does not repeat it).
+generation (a drill is one-shot: a restarted generation does not repeat it, but for a data drill
+in a generation that reruns its steps).
 Honoured only with `health.allow_fault_injection = true`.
 
     nan    the step's scaled loss × NaN on this rank: non-finite gradients, a skipped step
-           (fp16: an overflow, so N of them in a row are an overflow storm)
+           (fp16: an overflow, so N of them in a row are an overflow storm); not in the data: a rerun
+           of the step does not repeat it
+    bitflip  one bit flips once: the top exponent bit of this rank's loss-scale multiplier (1.0 → inf),
+           so every gradient it computes overflows — what a flipped exponent bit in one gradient does
+           once the all-reduce and the norm sum it: a non-finite step a rerun does not repeat (a
+           transient device fault)
     spike  this rank's batches of the window are replaced by uniformly random token ids, as from
-           a corrupt shard: bad data the model cannot predict, a real loss spike, not a faked number
+           a corrupt shard: bad data the model cannot predict, a real loss spike, not a faked number;
+           in the data, so a rerun of its steps (contracts.protocol.RerunDirective) reads it again
     hang   the rank stops stepping for `seconds` (default: an hour)
     crash  the rank SIGKILLs itself
     slow   `seconds` (default 0.5) of sleep before each step of the window
@@ -22,10 +29,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import struct
 import sys
 import time
 
-from contracts.protocol import ENV_MEMORY_LIMIT, InjectRequest
+from contracts.protocol import DATA_FAULTS, ENV_MEMORY_LIMIT, ENV_RERUN, InjectRequest, RerunDirective
+
+# 1.0f with bit 30 (the exponent's top bit) flipped: 0x3F800000 ^ 0x40000000 = 0x7F800000, +inf
+FLIPPED_ONE = struct.unpack("<f", struct.pack("<I", 0x3F800000 ^ (1 << 30)))[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +55,22 @@ class Drills:
         self.rank, self.allowed, self.env = rank, allowed, env
         self.pending: list[Drill] = []
         self.log = log or (lambda msg: print(f"llm-pretrain: {msg}", file=sys.stderr, flush=True))
+        self._read_again(env.get(ENV_RERUN))
+
+    def _read_again(self, path: str | None) -> None:
+        """A generation that reruns an incident's steps reads the data drills among them again (bad data is
+        bad every time it is read); at the step they began, or the incident's first step."""
+        if not path or not self.allowed or not os.path.exists(path):
+            return
+        with open(path) as f:
+            rerun = RerunDirective.from_json(f.read())
+        for args in rerun.drills:
+            req = InjectRequest.from_dict(args)
+            if req.fault in DATA_FAULTS and req.rank == self.rank:
+                first = req.at_step or rerun.first_step
+                self.pending.append(Drill(req.fault, first, req.steps_or_default, req.seconds_or_default))
+                self.log(f"rerun of steps {rerun.first_step}-{rerun.last_step}: the {req.fault} drill's data is "
+                         f"read again at step {first} for {req.steps_or_default} step(s) on rank {self.rank}")
 
     def add(self, seq: int, args: dict, applied_after_step: int) -> None:
         """An agreed inject command, applied after step `applied_after_step` on every rank."""
@@ -70,6 +97,8 @@ class Drills:
                 continue
             if d.fault == "nan":
                 poison = float("nan")
+            elif d.fault == "bitflip":
+                poison = FLIPPED_ONE
             elif d.fault == "spike":
                 corrupt = True
             elif d.fault == "slow":

@@ -192,16 +192,20 @@ def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_d
         wait_for(lambda: last_step() >= before + 30, 120, "steps after etcd came back")
         assert generation() == gen and not named(0, "incident") and not named(1, "incident")
 
-        # a NaN on host 1's rank: one decision (node 0's), applied by both, the same lr cut on both ranks
+        # a NaN on host 1's rank: one decision (node 0's: rerun its step), applied by both; the rerun passes
+        # the step (the drill is no fault of the data), both hosts find it transient and train on, nothing cut
         at = last_step() + 15
         control.write_request(run / "nodes" / "node-1" / "control", "inject", {"fault": "nan", "rank": 1, "at_step": at})
         wait_for(lambda: named(1, "incident"), 120, "the NaN incident on host 1")
+        wait_for(lambda: named(0, "triage") and named(1, "triage"), 300, "the rerun's verdict on both hosts")
         trains_on(named(1, "incident")[-1]["generation"], 5)
         nan0, nan1 = named(0, "incident")[-1], named(1, "incident")[-1]
         assert nan0["kind"] == nan1["kind"] == "non_finite" and nan0["action"] == nan1["action"]
-        assert nan0["action"]["type"] == "rollback"
+        assert nan0["action"]["type"] == "rerun" and nan0["first_step"] == at
+        assert [e["verdict"] for e in named(0, "triage")] == [e["verdict"] for e in named(1, "triage")] == ["transient"]
         replay = [[e for e in _steps(log) if e["generation"] == nan0["generation"] + 1] for log in rank_logs]
-        assert replay[0] and replay[1] and {e["lr_multiplier"] for e in replay[0] + replay[1]} == {0.5}
+        assert replay[0] and replay[1] and {e["lr_multiplier"] for e in replay[0] + replay[1]} == {1.0}
+        assert not any(e["skipped"] for e in replay[0] + replay[1])
 
         # a rank killed on host 1: both hosts end the generation and restart it together
         gen = generation()

@@ -1,6 +1,8 @@
 """Issue 6's drills on two real MindSpore ranks (tiny config): a NaN, a poisoned data window, an
 fp16 overflow storm and an out-of-memory kill, each injected for real and recovered from by the
-daemon with no one in the loop; every incident and action in state.json and the event log."""
+daemon with no one in the loop; every incident and action in state.json and the event log. And
+issue 35's triage: a flipped bit is rerun, found transient and passed through bit for bit; a poisoned
+window is rerun, found in the data and skipped."""
 import json
 import statistics
 import subprocess
@@ -42,19 +44,21 @@ def _steps(run: Path, generation: int | None = None) -> dict[int, dict]:
     return out
 
 
-def _check_recorded(run, events, kind):
-    """The incident and its action are in state.json and in the event log."""
+def _check_recorded(run, events, kind, action="rollback"):
+    """The incident and its action (the first of that type) are in state.json and in the event log."""
     state = RunState.load(run)
     acted = [r.to_dict() for r in state.incidents if r.kind == kind and r.action]     # as JSON, like the log
-    assert acted, f"no {kind} incident with an action in state.json"
-    logged = [e for e in _named(events, "incident") if e["kind"] == kind]
+    acted = [r for r in acted if r["action"]["type"] == action]
+    assert acted, f"no {kind} incident with a {action} in state.json"
+    logged = [e for e in _named(events, "incident") if e["kind"] == kind and e["action"]["type"] == action]
     assert logged and logged[0]["action"] == acted[0]["action"]
     assert state.status == "finished"
     return acted[0]
 
 
 def test_nan_rolls_back_before_it_and_trains_on_with_the_lr_cut(cli, quiet_env, tmp_path, stdlib_corpus):
-    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, steps=140,
+    # the policy's row for a NaN, acting at once (with reruns on, a one-off NaN is found transient: below)
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, "health.rerun=false", steps=140,
                              injects=[("nan", "--rank", "1", "--at-step", "80")])
     assert done.returncode == 0, done.stderr[-3000:]
     incident = _check_recorded(run, events, "non_finite")
@@ -71,25 +75,68 @@ def test_nan_rolls_back_before_it_and_trains_on_with_the_lr_cut(cli, quiet_env, 
     assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2.values())
 
 
-def test_a_poisoned_window_is_rolled_back_skipped_and_the_loss_recovers(cli, quiet_env, tmp_path, stdlib_corpus):
+def test_a_poisoned_window_is_rerun_found_in_the_data_rolled_back_skipped_and_the_loss_recovers(
+        cli, quiet_env, tmp_path, stdlib_corpus):
     done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, steps=300,
                              injects=[("spike", "--rank", "0", "--at-step", "200", "--steps", "8")])
     assert done.returncode == 0, done.stderr[-3000:]
+    rerun = _check_recorded(run, events, "loss_spike", "rerun")
+    [triage] = _named(events, "triage")
+    # the rerun read the bad window again and repeated the first run's steps bit for bit: the data
+    assert triage["verdict"] == "deterministic" and triage["compared"]
+    assert all(c["first_run"] == c["rerun"] for c in triage["compared"]), triage["compared"]
     incident = _check_recorded(run, events, "loss_spike")
     action = incident["action"]
     assert incident["first_step"] == 200 and action["type"] == "rollback" and action["checkpoint_step"] < 190
-    gen1, gen2 = _steps(run, 1), _steps(run, 2)
+    assert rerun["first_step"] == 200 and incident["evidence"]["triage"]["verdict"] == "deterministic"
+    gen1, gen3 = _steps(run, 1), _steps(run, 3)
     poisoned = [gen1[s] for s in range(200, incident["last_step"] + 1)]
     skip = action["skip"]
     assert skip == [poisoned[0]["sample_start"], poisoned[-1]["sample_end"]]
     # the poisoned window is never trained on again
-    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen2.values())
+    assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen3.values())
     resumed = action["checkpoint_step"]
     before = statistics.median(gen1[s]["loss"] for s in range(180, 200))
-    after = statistics.median(gen2[s]["loss"] for s in range(resumed + 81, resumed + 101))
+    after = statistics.median(gen3[s]["loss"] for s in range(resumed + 81, resumed + 101))
     print(f"median loss: {before:.4f} before the window, {after:.4f} 100 steps after resuming "
           f"({after / before - 1:+.1%}); spike {[round(e['loss'], 2) for e in poisoned]}")
     assert abs(after / before - 1) <= 0.05
+
+
+def _final_sha256(run: Path) -> set[str]:
+    """Each rank's parameters' digest as its last exit event says."""
+    out = set()
+    for log in (run / "logs").glob("rank-*.log"):
+        exits = [json.loads(l) for l in log.read_text().splitlines() if l.startswith("{") and '"kind": "exit"' in l]
+        out.add(exits[-1]["params_sha256"])
+    return out
+
+
+def test_a_flipped_bit_is_rerun_found_transient_and_the_run_ends_as_an_uninterrupted_one(
+        cli, quiet_env, tmp_path, stdlib_corpus):
+    (tmp_path / "reference").mkdir()
+    ram = "checkpoint.memory_interval_steps=4"        # the RAM tier, between the disk saves every 20 steps
+    done, reference, _ = _run(cli, quiet_env, tmp_path / "reference", stdlib_corpus, ram, steps=100)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, ram, steps=100,
+                             injects=[("bitflip", "--rank", "1", "--at-step", "70")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rerun = _check_recorded(run, events, "non_finite", "rerun")
+    # from the RAM tier (68, or 64 if 68's write was cut short by the teardown), not the disk's step 60
+    start = rerun["action"]["checkpoint_step"]
+    assert rerun["first_step"] == 70 and start in (64, 68)
+    [triage] = _named(events, "triage")
+    assert triage["verdict"] == "transient" and triage["compared"][0]["step"] == 70
+    assert triage["compared"][0]["first_run"][2] is True and triage["compared"][0]["rerun"][2] is False
+    assert not _named(events, "rollback") or all(not e.get("skip") for e in _named(events, "rollback"))
+    gen1, gen2 = _steps(run, 1), _steps(run, 2)
+    assert gen1[70]["skipped"] and min(gen2) == start + 1 and max(gen2) == 100
+    # nothing skipped, nothing cut: the samples and lr of an uninterrupted run
+    assert all(e["lr_multiplier"] == 1.0 and not e["skipped"] for e in gen2.values())
+    assert gen2[start + 1]["sample_start"] == gen1[start + 1]["sample_start"]
+    assert all(gen2[s + 1]["sample_start"] == gen2[s]["sample_end"] for s in range(start + 1, 100))
+    ours, theirs = _final_sha256(run), _final_sha256(reference)
+    assert len(ours) == 1 and ours == theirs, (ours, theirs)
 
 
 def test_an_fp16_overflow_storm_restarts_at_a_lower_capped_scale(cli, quiet_env, tmp_path, stdlib_corpus):

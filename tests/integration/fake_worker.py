@@ -10,7 +10,9 @@ which it resumes. Faults on cue, in chosen generations:
     --crash-when PATH    exit 1 after the first step that finds PATH empty or holding this generation's number
     --hang-at STEP       stop stepping after STEP   --die-at-start     exit 1 before any event
     --first-step-s S     the first step of a generation takes S seconds, the others --step-s
-    --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP
+    --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP: bad data, so a
+                         generation that reruns those steps (ENV_RERUN) spikes again, in any generation;
+                         with --spike-device, a device's fault: only where faulty, never in a rerun
     --hog-at STEP        allocate memory until killed after STEP (an out-of-memory drill)
     --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
     --linger-s S         stay S seconds after the exit event (a framework's slow teardown)
@@ -43,12 +45,14 @@ from contracts.protocol import (
     ENV_LOCAL_GROUP,
     ENV_LOCAL_RANK,
     ENV_RECOVERY,
+    ENV_RERUN,
     ENV_STANDBY_FD,
     CheckpointEvent,
     Command,
     ExitEvent,
     PhaseEvent,
     RecoveryDirective,
+    RerunDirective,
     StepEvent,
     await_activation,
     send_datagram,
@@ -94,6 +98,7 @@ def main() -> int:
     ap.add_argument("--die-at-start", action="store_true")
     ap.add_argument("--spike-at", type=int)
     ap.add_argument("--spike-steps", type=int, default=6)
+    ap.add_argument("--spike-device", action="store_true")
     ap.add_argument("--hog-at", type=int)
     ap.add_argument("--config")
     ap.add_argument("--ignore-term", action="store_true")
@@ -140,6 +145,11 @@ def main() -> int:
     recovery = None
     if os.environ.get(ENV_RECOVERY) and os.path.exists(os.environ[ENV_RECOVERY]):
         recovery = RecoveryDirective.from_json(Path(os.environ[ENV_RECOVERY]).read_text())
+    rerun = None
+    if os.environ.get(ENV_RERUN) and os.path.exists(os.environ[ENV_RERUN]):
+        rerun = RerunDirective.from_json(Path(os.environ[ENV_RERUN]).read_text())
+    # bad data is read again by a rerun of its steps (and only by one: a rollback skips it or shifts it away)
+    data_again = rerun is not None and not a.spike_device and (a.rank_faults is None or a.rank_faults == rank)
     if faulty and a.die_at_start:
         print("dying at start, as asked", flush=True)
         return 1
@@ -204,7 +214,7 @@ def main() -> int:
         multiplier = 1.0
         for o in overrides:
             multiplier *= o.multiplier(step)
-        spiking = faulty and a.spike_at is not None and a.spike_at <= step < a.spike_at + a.spike_steps
+        spiking = (faulty or data_again) and a.spike_at is not None and a.spike_at <= step < a.spike_at + a.spike_steps
         loss = (3.0 + 0.01 * (step % 7)) * (4.0 if spiking else 1.0)
         start, end = sample_range(step)
         emit(StepEvent(rank=rank, generation=generation, step=step, loss=loss, grad_norm=1.0, loss_scale=1.0,

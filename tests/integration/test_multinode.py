@@ -116,15 +116,19 @@ def _waiting(node_dir) -> str:
 
 
 def test_a_loss_spike_is_decided_once_by_node_0_and_applied_identically_by_node_1(tmp_path, etcd):
-    (code0, ev0, err0), (code1, ev1, err1) = _both(tmp_path / "run", etcd, *QUICK_HEALTH, fake=[
+    # bad data (the fake's spike is read again by a rerun): rerun first, then, reproduced, rolled back
+    (code0, ev0, err0), (code1, ev1, err1) = _both(tmp_path / "run", etcd, *QUICK_HEALTH, "health.rerun=true", fake=[
         "--steps", "60", "--interval", "5", "--spike-at", "30", "--fault-generations", "1"])
     assert (code0, code1) == (0, 0), err0[-2000:] + err1[-2000:]
     inc0, inc1 = _named(ev0, "incident"), _named(ev1, "incident")
-    assert len(inc0) == 1 and inc0[0]["kind"] == "loss_spike" and inc0[0]["action"]["type"] == "rollback"
+    assert [(e["kind"], e["action"]["type"]) for e in inc0] == [("loss_spike", "rerun"), ("loss_spike", "rollback")]
     assert [(e["kind"], e["action"], e["generation"]) for e in inc1] == [(e["kind"], e["action"], e["generation"])
                                                                        for e in inc0]
+    # each node judged the rerun from its own rank's steps, and both found what node 0 decided on
+    assert [e["verdict"] for e in _named(ev0, "triage")] == [e["verdict"] for e in _named(ev1, "triage")] == \
+        ["deterministic"]
     assert not _named(ev1, "decision_mismatch")
-    assert len(_named(ev0, "rollback")) == 1 and not _named(ev1, "rollback")    # node 0 moves the files, once
+    assert len(_named(ev0, "rollback")) == 2 and not _named(ev1, "rollback")    # node 0 moves the files, each time
 
 
 def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd, cli):

@@ -13,9 +13,10 @@ from daemon.state import RunState
 from tests.integration.test_supervisor import _finish, _named, _start
 
 
-# a spike is judged after 10 steps against the 10 before it
+# a spike is judged after 10 steps against the 10 before it; the policy's rows act at once (no rerun
+# first: tests/integration/test_triage.py has the rerun before them)
 QUICK_HEALTH = ["health.loss_spike_warmup_steps=10", "health.loss_spike_window_steps=10",
-                "health.rollback_margin_steps=4"]
+                "health.rollback_margin_steps=4", "health.rerun=false"]
 
 
 def _steps(log: Path) -> list[dict]:

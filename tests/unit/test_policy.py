@@ -3,7 +3,7 @@ import pytest
 
 from contracts.config import load_config, with_changes
 from daemon import policy
-from daemon.incidents import Halt, Incident, Kind, Restart, Rollback
+from daemon.incidents import Halt, Incident, Kind, Rerun, Restart, Rollback
 from daemon.policy import RunHistory, is_healthy, newest_healthy
 
 CFG = load_config(None)           # margin 10, cut 0.5, hold 200, ramp 200, floor 1/16, window 1000
@@ -12,9 +12,11 @@ CKPTS = (50, 100, 150, 200, 250)
 RANGES = {s: (8 * (s - 1), 8 * s) for s in range(1, 400)}
 
 
-def spike(first, last=None, kind="loss_spike", storm_start_scale=None):
+def spike(first, last=None, kind="loss_spike", storm_start_scale=None, triaged=True):
+    """A numerical incident; `triaged`: its rerun reproduced it (the rows below act on it)."""
+    evidence = {"triage": {"verdict": "deterministic"}} if triaged else {}
     return Incident(kind=Kind(kind), first_step=first, last_step=last or first + 2,
-                    storm_start_scale=storm_start_scale)
+                    storm_start_scale=storm_start_scale, evidence=evidence)
 
 
 def decide(incident, history, cfg):
@@ -171,3 +173,41 @@ def test_the_policy_is_a_table_with_a_row_for_every_kind_it_acts_on_and_none_for
     with pytest.raises(ValueError, match="no policy for incident kind 'loss_stalled'"):
         policy.decide(Incident(kind=Kind.LOSS_STALLED, first_step=5, last_step=9), policy.RunHistory(),
                       CFG.health, CFG.train)
+
+
+@pytest.mark.parametrize("kind", ["loss_spike", "loss_collapse", "non_finite"])
+def test_a_numerical_incident_is_rerun_from_the_checkpoint_before_it_before_anything_is_cut(kind):
+    action = decide(spike(203, 205, kind=kind, triaged=False), RunHistory(committed_steps=CKPTS, sample_ranges=RANGES),
+                    CFG)
+    assert isinstance(action, Rerun)
+    # the newest checkpoint before its first step (no margin: nothing is skipped or cut, the steps are compared)
+    assert (action.checkpoint_step, action.first_step, action.last_step) == (200, 203, 205)
+
+
+def test_a_reproduced_incident_is_decided_on_its_row_and_a_rerun_is_not_repeated_where_one_passed():
+    history = RunHistory(committed_steps=CKPTS, sample_ranges=RANGES)
+    assert isinstance(decide(spike(203, 205, triaged=True), history, CFG), Rollback)
+    # an incident at a step a rerun already found transient comes back: it is no passing fault
+    again = RunHistory(committed_steps=CKPTS, sample_ranges=RANGES, transient_steps=(203,))
+    assert isinstance(decide(spike(203, 205, triaged=False), again, CFG), Rollback)
+    assert isinstance(decide(spike(230, 232, triaged=False), again, CFG), Rerun)
+
+
+def test_with_rerun_off_the_rows_act_at_once_and_an_fp16_storm_and_a_crash_are_never_rerun():
+    off = with_changes(CFG, {"health.rerun": False})
+    assert isinstance(decide(spike(203, 205, triaged=False), RunHistory(committed_steps=CKPTS, sample_ranges=RANGES),
+                             off), Rollback)
+    storm = Incident(kind=Kind.OVERFLOW_STORM, first_step=203, last_step=212, storm_start_scale=1024.0)
+    assert isinstance(decide(storm, RunHistory(committed_steps=CKPTS), FP16), Rollback)
+    crash = Incident(kind=Kind.CRASH, first_step=203, last_step=203)
+    assert isinstance(decide(crash, RunHistory(committed_steps=CKPTS), CFG), Restart)
+
+
+def test_a_rerun_starts_from_the_ram_tier_when_it_holds_a_nearer_checkpoint():
+    history = RunHistory(committed_steps=CKPTS, sample_ranges=RANGES, memory_steps=(195, 200, 205))
+    action = decide(spike(203, 205, triaged=False), history, CFG)
+    assert isinstance(action, Rerun) and action.checkpoint_step == 200
+    nearer = RunHistory(committed_steps=CKPTS, sample_ranges=RANGES, memory_steps=(201, 202))
+    assert decide(spike(203, 205, triaged=False), nearer, CFG).checkpoint_step == 202
+    # a rollback's target stays a disk checkpoint before the margin
+    assert decide(spike(203, 205), nearer, CFG).checkpoint_step == 150

@@ -178,8 +178,9 @@ def test_after_a_rollback_replayed_steps_are_judged_against_the_kept_baseline():
 def test_a_recurrence_after_a_rollback_counts_even_if_it_starts_earlier():
     earlier = [Incident(kind=Kind.LOSS_SPIKE, first_step=300, last_step=303)]
     history = RunHistory(incidents=earlier, committed_steps=(100, 200), sample_ranges={})
-    action = policy.decide(Incident(kind=Kind.LOSS_SPIKE, first_step=290, last_step=292), history, CFG.health,
-                           CFG.train)
+    reproduced = {"triage": {"verdict": "deterministic"}}          # its rerun reproduced it
+    action = policy.decide(Incident(kind=Kind.LOSS_SPIKE, first_step=290, last_step=292, evidence=reproduced), history,
+                           CFG.health, CFG.train)
     assert action.lr_overrides[0].factor == 0.25
 
 

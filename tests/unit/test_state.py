@@ -295,3 +295,23 @@ def test_logs_on_a_corrupt_file_still_reads_the_log(tmp_path, capsys):
     captured = capsys.readouterr()
     assert json.loads(captured.out) == EVENTS[0] and "state.json is corrupt" in captured.err
 
+
+
+def test_the_rebuild_keeps_a_pending_rerun_until_its_verdict_and_counts_the_verdicts():
+    rerun = {"type": "rerun", "reason": "non_finite: rerun step 70 from step 68", "checkpoint_step": 68,
+             "first_step": 70, "last_step": 70}
+    decided = [ev("generation_start", 1, resume_step=0),
+               incident(1, "non_finite", 70, 70, rerun, evidence={"observed": {"70": ["nan", "inf", True]},
+                                                                  "drill": {"fault": "spike", "rank": 1}}),
+               ev("rollback", 1, "warning", cause="non_finite", checkpoint_step=68, rolled_back_steps=[]),
+               ev("generation_start", 2, resume_step=68)]
+    state, counts = state_rebuild.state_from_events(decided)
+    assert state.rerun["first_step"] == 70 and state.rerun["checkpoint_step"] == 68
+    assert math.isnan(state.rerun["observed"]["70"][0]) and state.rerun["drills"] == [{"fault": "spike", "rank": 1}]
+    assert state.recovery is None and state.pending_rollback is None and counts["rollbacks"] == 0
+    state, _ = state_rebuild.state_from_events([*decided, ev("triage", 2, "warning", verdict="transient",
+                                                             first_step=70)])
+    assert state.rerun is None and state.triage == {"transient": 1} and state.transient_steps == [70]
+    # and state.json keeps them both ways
+    again = RunState.from_dict(json.loads(json.dumps(state.to_dict())))
+    assert (again.triage, again.transient_steps, again.rerun) == ({"transient": 1}, [70], None)

@@ -1,4 +1,5 @@
 """The watch over a generation, driven with literal times and events: no processes, no clock, no files."""
+import math
 import signal
 
 import pytest
@@ -448,3 +449,55 @@ def test_an_evaluation_is_reported_and_neither_a_hang_nor_a_stall():
     w.on_event(done, t + 15.0)
     assert Validated(done) in w.drain()
     assert isinstance(w.tick(t + 15.0 + 21.0), Failed)       # an evaluation past the compile timeout is a hang
+
+
+def _spiked_then_rerun(rerun_loss: float, rtol: float = 0.0):
+    """A spike at 30-32 in one generation, its rerun (from step 25) in the next with `rerun_loss` at 30-32."""
+    cfg = load_config(None, ["health.loss_spike_warmup_steps=10", "health.loss_spike_window_steps=10",
+                             f"health.rerun_rtol={rtol}"])
+    monitor = HealthMonitor(cfg.health, precision=cfg.train.precision)
+    first = Watch(cfg, generation=1, ranks=(0,), now=0.0, monitor=monitor)
+    t = steps(first, 1, 29, 0.0, ranks=(0,), loss=3.0)
+    steps(first, 30, 32, t, ranks=(0,), loss=12.0)
+    incident = first.tick(t + 1).incident
+    rerun = {"kind": incident.kind.value, "first_step": 30, "last_step": 32, "checkpoint_step": 25,
+             "observed": incident.evidence["observed"], "drills": []}
+    monitor.rewind(25)
+    again = Watch(cfg, generation=2, ranks=(0,), now=10.0, monitor=monitor, rerun=rerun)
+    steps(again, 26, 29, 10.0, ranks=(0,), loss=3.0, generation=2)
+    steps(again, 30, 32, 11.0, ranks=(0,), loss=rerun_loss, generation=2)
+    return incident, again
+
+
+def test_a_spike_carries_what_its_rerun_is_compared_with():
+    incident, _ = _spiked_then_rerun(12.0)
+    assert incident.evidence["observed"] == {"30": [12.0, 1.0, False], "31": [12.0, 1.0, False],
+                                             "32": [12.0, 1.0, False]}
+
+
+def test_a_rerun_that_repeats_the_spike_bit_for_bit_brings_it_back_as_deterministic():
+    _, again = _spiked_then_rerun(12.0)
+    out = again.tick(12.0)
+    assert out.incident.kind is Kind.LOSS_SPIKE and out.incident.first_step == 30
+    triage = out.incident.evidence["triage"]
+    assert triage["verdict"] == "deterministic" and [c["step"] for c in triage["compared"]] == [30, 31, 32]
+    assert [e.verdict for e in kinds(again.drain(), watch.Triaged)] == ["deterministic"]
+
+
+def test_a_rerun_that_does_not_repeat_it_is_transient_and_the_generation_trains_on():
+    _, again = _spiked_then_rerun(3.0)
+    assert again.tick(12.0) is None
+    [verdict] = kinds(again.drain(), watch.Triaged)
+    assert verdict.verdict == "transient" and verdict.first_step == 30
+    assert verdict.evidence["compared"] == [{"step": 30, "first_run": [12.0, 1.0, False], "rerun": [3.0, 1.0, False]}]
+
+
+def test_a_rerun_differing_by_less_than_the_tolerance_is_a_repeat_and_by_one_ulp_without_one_is_not():
+    out = _spiked_then_rerun(12.0 * (1 + 1e-4), rtol=1e-3)[1].tick(12.0)
+    assert out.incident.evidence["triage"]["verdict"] == "deterministic"
+    _, again = _spiked_then_rerun(math.nextafter(12.0, 13.0))
+    # not the same step: transient, as far as the rerun can tell; but it spikes again all the same, and that
+    # is an incident of its own (which the policy does not rerun again: a rerun passed that step)
+    out = again.tick(12.0)
+    assert kinds(again.drain(), watch.Triaged)[0].verdict == "transient"
+    assert out.incident.kind is Kind.LOSS_SPIKE and "triage" not in out.incident.evidence

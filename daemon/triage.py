@@ -1,0 +1,76 @@
+"""The triage of a rerun: does a numerical incident come back when its steps are run again?
+
+A generation decided as a Rerun (daemon.policy) resumes from the newest healthy checkpoint before the
+incident with nothing else changed; `RerunCheck` compares its steps `first_step`..`last_step` with
+the first run's (the incident's `observed` evidence: loss, grad norm, skipped per step):
+
+- every compared step the same (bit for bit with `health.rerun_rtol = 0`; within that relative
+  tolerance otherwise; a skipped step skipped again) → `deterministic`: the data or the numbers —
+  the incident is decided again, on its own row of the policy;
+- one differs → `transient`: a fault of the device or the machine that training passed through; the
+  rerun's steps stand (no rollback, no skip, no lr cut).
+
+Nothing to compare (the incident came from an older daemon, or the rerun resumed past its steps) is
+judged deterministic: the policy of old, never a guess in the run's favour. Pure: no clocks or files.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from contracts.protocol import StepEvent
+
+VERDICTS = ("transient", "deterministic")
+
+
+def observed_values(ev: StepEvent) -> list:
+    """What a rerun compares of a step: [loss, grad norm, skipped]."""
+    return [ev.loss, ev.grad_norm, bool(ev.skipped)]
+
+
+def same_step(first: list, rerun: list, rtol: float) -> bool:
+    """The rerun repeated the first run's step: skipped alike, loss and grad norm alike."""
+    if bool(first[2]) != bool(rerun[2]):
+        return False
+    return all(_close(float(a), float(b), rtol) for a, b in zip(first[:2], rerun[:2]))
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return (math.isnan(a) and math.isnan(b)) or a == b
+    return a == b or abs(a - b) <= rtol * max(abs(a), abs(b))
+
+
+class RerunCheck:
+    """The verdict on one rerun, from the watched rank's step events in order."""
+
+    def __init__(self, rerun: Mapping[str, Any], rtol: float):
+        self.kind = str(rerun["kind"])
+        self.first, self.last = int(rerun["first_step"]), int(rerun["last_step"])
+        self.checkpoint_step = int(rerun["checkpoint_step"])
+        self.observed = {int(k): list(v) for k, v in (rerun.get("observed") or {}).items()}
+        self.rtol = rtol
+        self.compared: list[dict[str, Any]] = []
+        self.verdict: str | None = None
+
+    def observe(self, ev: StepEvent) -> str | None:
+        """The verdict once this step settles it (None: not yet, or already given)."""
+        if self.verdict is not None or ev.step < self.first:
+            return None
+        if ev.step <= self.last:
+            first = self.observed.get(ev.step)
+            if first is not None:
+                rerun = observed_values(ev)
+                self.compared.append({"step": ev.step, "first_run": first, "rerun": rerun})
+                if not same_step(first, rerun, self.rtol):
+                    self.verdict = "transient"
+                    return self.verdict
+            if ev.step < self.last:
+                return None
+        self.verdict = "deterministic"
+        return self.verdict
+
+    def evidence(self, generation: int) -> dict[str, Any]:
+        return {"verdict": self.verdict, "kind": self.kind, "first_step": self.first, "last_step": self.last,
+                "rerun_generation": generation, "checkpoint_step": self.checkpoint_step, "rtol": self.rtol,
+                "compared": self.compared}
