@@ -50,6 +50,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/dp_scaling.py
 	$(BIN)/python bench/goodput.py
 	$(BIN)/python bench/validation_cost.py
+	$(BIN)/python bench/fingerprint_cost.py
 	$(BIN)/python bench/multinode_scale.py
 	$(BIN)/python bench/multinode_recovery.py
 

@@ -151,6 +151,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
                 "reason": incident.action.reason if incident.action else incident.incident.detail,
                 "drill": "drill" in incident.incident.evidence},
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
+            "checkpoint_intervals": {k: v for k, v in state.cadence.items() if k.endswith("interval_steps")} or None,
             "triage": dict(state.triage), "rerun_pending": None if not state.rerun else {
                 k: state.rerun[k] for k in ("kind", "first_step", "last_step", "checkpoint_step")},
             "config_changes": state.config_changes or None,
@@ -198,6 +199,9 @@ def render(s: dict[str, Any]) -> str:
              f"{inc['kind']}{' (drill)' if inc.get('drill') else ''} at step {inc['first_step']} -> "
              f"{inc['action'] or 'warning'}: {inc['reason'] or ''}"),
             ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
+    if s.get("checkpoint_intervals"):
+        rows.append(("checkpoint every", ", ".join(f"{v} steps ({'RAM' if k.startswith('memory') else 'disk'}, auto)"
+                                                   for k, v in s["checkpoint_intervals"].items())))
     if s.get("triage") or s.get("rerun_pending"):
         verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s.get("triage", {}).items())) or "none yet"
         pending = s.get("rerun_pending")

@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -214,17 +215,31 @@ class ParallelConfig:
 class CheckpointConfig:
     """When checkpoints are saved and which are kept."""
 
-    interval_steps: int = 50       # save every N steps (0 = only on stop and at the end)
+    interval_steps: int | str = 50  # save every N steps (0 = only on stop and at the end); "auto": as often as
+                                    # the failure rate says (Young/Daly, daemon/cadence.py)
     keep_last: int = 3             # retain the newest N
     keep_every_steps: int = 0      # also retain every checkpoint whose step divides by this (0 = none)
-    memory_interval_steps: int = 0  # also every N steps to RAM (memory_dir): a crash loses at most N steps (0 = off)
+    memory_interval_steps: int | str = 0  # also every N steps to RAM (memory_dir): a crash loses at most N steps
+                                          # (0 = off; "auto": as interval_steps)
     memory_dir: str = "/dev/shm"   # where the RAM tier lives (a tmpfs); one directory per run under it
+    auto_mtbf_prior_s: float = 86400.0   # "auto": the time between failures assumed before any is seen; observed
+                                         # failures replace it as they come
+    auto_min_interval_steps: int = 10    # "auto": never more often than this ...
+    auto_max_interval_steps: int = 10000  # ... nor less often than this
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint.interval_steps", self.interval_steps, 0)
+        for key in ("interval_steps", "memory_interval_steps"):
+            value = getattr(self, key)
+            if isinstance(value, str):
+                if value != "auto":
+                    _fail(f'checkpoint.{key} = {value!r} must be an integer >= 0 or "auto"')
+            else:
+                _at_least(f"checkpoint.{key}", value, 0)
         _at_least("checkpoint.keep_last", self.keep_last, 1)
         _at_least("checkpoint.keep_every_steps", self.keep_every_steps, 0)
-        _at_least("checkpoint.memory_interval_steps", self.memory_interval_steps, 0)
+        _in_range("checkpoint.auto_mtbf_prior_s", self.auto_mtbf_prior_s, 0.0, 1e9, open_low=True)
+        _at_least("checkpoint.auto_min_interval_steps", self.auto_min_interval_steps, 1)
+        _at_least("checkpoint.auto_max_interval_steps", self.auto_max_interval_steps, self.auto_min_interval_steps)
         if not os.path.isabs(self.memory_dir):
             _fail(f"checkpoint.memory_dir = {self.memory_dir!r} must be an absolute path (a tmpfs such as /dev/shm)")
 
@@ -238,6 +253,10 @@ class HealthConfig:
                                          # rolled back, re-run its steps from the checkpoint before them: reproduced
                                          # -> the data or the numbers (the policy below); not -> a transient fault,
                                          # training goes on from the rerun (no rollback, no skip, no lr cut)
+    fingerprint_interval_steps: int = 100  # every N steps each data-parallel replica reduces its parameters to a
+                                         # few integers and the daemon compares them: one that differs was
+                                         # corrupted silently -> roll back to the newest checkpoint all agreed at
+                                         # (0: off)
     rerun_rtol: float = 0.0              # reproduced: each rerun step's loss and grad norm within this relative
                                          # tolerance of the first run's (0: bit for bit; CPU and Ascend's deterministic
                                          # mode repeat a step exactly, other devices need a tolerance)
@@ -298,6 +317,7 @@ class HealthConfig:
         _in_range("health.loss_collapse_min_rel", self.loss_collapse_min_rel, 0.0, 1.0, open_low=True)
         _choice("health.grad_norm_action", self.grad_norm_action, ("warn", "rollback"))
         _in_range("health.rerun_rtol", self.rerun_rtol, 0.0, 1.0)
+        _at_least("health.fingerprint_interval_steps", self.fingerprint_interval_steps, 0)
         _in_range("health.grad_norm_burst_factor", self.grad_norm_burst_factor, 0.0, 1e9)
         for key in ("rollback_margin_steps", "lr_hold_steps", "lr_ramp_steps", "recur_window_steps",
                     "loss_scale_cap_steps"):
@@ -618,11 +638,22 @@ SECTIONS: dict[str, type] = typing.get_type_hints(Config)
 
 
 def _type_name(tp: Any) -> str:
+    if isinstance(tp, types.UnionType):
+        return " or ".join(_type_name(t) for t in typing.get_args(tp))
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[tp]
 
 
 def _coerce(path: str, value: Any, tp: Any) -> Any:
-    """Checks one value against its field's type; ints are accepted where numbers are."""
+    """Checks one value against its field's type; ints are accepted where numbers are; a union (an
+    integer or a string such as "auto") takes the first of its types the value is."""
+    if isinstance(tp, types.UnionType):
+        for member in typing.get_args(tp):
+            try:
+                return _coerce(path, value, member)
+            except ConfigError:
+                continue
+        _fail(f"{path} = {_toml(value) if not isinstance(value, dict) else 'a table'} has the wrong type; "
+              f"it must be {_type_name(tp)}")
     ok = (isinstance(value, bool) if tp is bool
           else isinstance(value, int) and not isinstance(value, bool) if tp is int
           else isinstance(value, (int, float)) and not isinstance(value, bool) if tp is float

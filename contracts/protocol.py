@@ -97,6 +97,20 @@ class StepEvent(_Event):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class FingerprintEvent(_Event):
+    """After step `step` (every health.fingerprint_interval_steps): this replica's parameters reduced to a
+    few integers (engine.rank.fingerprint), to be compared with the other replicas' — equal when healthy."""
+
+    rank: int
+    generation: int
+    step: int
+    groups: list[int]         # one value per contiguous group of parameters
+    names: list[str]          # the first parameter of each group
+    seconds: float = 0.0      # what computing it took
+    kind: str = "fingerprint"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ExitEvent(_Event):
     """A worker's last word: why it ends, at which step, and a digest of its parameters."""
 
@@ -274,7 +288,7 @@ class RerunDirective:
 
 
 EVENT_TYPES = {"step": StepEvent, "exit": ExitEvent, "checkpoint": CheckpointEvent, "phase": PhaseEvent,
-               "data_fault": DataFaultEvent, "eval": EvalEvent}
+               "data_fault": DataFaultEvent, "eval": EvalEvent, "fingerprint": FingerprintEvent}
 
 
 # Worker ⇄ supervisor plumbing: environment variables the supervisor sets for every rank.
@@ -313,9 +327,12 @@ def await_activation(fd: int) -> dict[str, str] | None:
 # Longest path a UNIX socket address holds on Linux (108 bytes with the terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 
-COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release")
+COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release", "interval")
+# checkpoint.interval_steps = "auto": the interval the ranks start with, until the daemon's first `interval`
+# command (args: interval_steps and/or memory_interval_steps) moves it (daemon/cadence.py)
+AUTO_FIRST_STEPS = 50
 # Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
-FAULTS = ("nan", "spike", "bitflip", "hang", "crash", "slow", "oom")
+FAULTS = ("nan", "spike", "bitflip", "corrupt-weight", "hang", "crash", "slow", "oom")
 
 
 def take_environment(env: dict[str, str], spawned: set[str]) -> None:
@@ -328,7 +345,7 @@ def take_environment(env: dict[str, str], spawned: set[str]) -> None:
             os.environ[name] = value
 
 
-DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "bitflip": 1, "slow": 100}
+DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "bitflip": 1, "corrupt-weight": 1, "slow": 100}
 DATA_FAULTS = ("spike",)   # drills that are in the data: a rerun of their steps reads them again
 DEFAULT_DRILL_SECONDS = {"hang": 3600.0, "slow": 0.5}
 

@@ -25,6 +25,9 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.set_status(e.status, e.text)
         elif isinstance(e, watch.Progress):
             ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
+            _cadence(ledger, cfg, peers, files, step=e)
+        elif isinstance(e, watch.Saving):
+            _cadence(ledger, cfg, peers, files, saving=e)
         elif isinstance(e, watch.Validated):
             ledger.validated(e.event)
         elif isinstance(e, watch.Warned):
@@ -43,6 +46,31 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             _disk_space(ledger, files, e.step)
         elif isinstance(e, watch.DumpStacks):
             gen.dump_stacks(e.ranks)
+
+
+def _cadence(ledger: Ledger, cfg: Config, peers, files: RunFiles, *, step: watch.Progress | None = None,
+             saving: watch.Saving | None = None) -> None:
+    """checkpoint.interval_steps / memory_interval_steps = "auto": the daemon times the saves and the steps
+    and moves the intervals (an `interval` command, a `checkpoint_interval` event) when a commit's cost or
+    the failures seen change the optimum (each generation starts with those in force: RunFiles)."""
+    cadence = ledger.cadence_for(cfg.checkpoint)
+    if cadence is None:
+        return
+    if step is not None:
+        cadence.step(step.event, step.compiled)
+        return
+    if saving.stage == "staged":
+        cadence.staged(saving.tier, saving.step, saving.seconds)
+        return
+    cadence.committed(saving.tier, saving.step)
+    if not peers.is_leader:                   # the decider sets the ranks' intervals for every machine
+        return
+    change = cadence.retune(ledger.state.failures())
+    ledger.state.cadence = cadence.to_dict()
+    if change is not None:
+        peers.send("interval", change["changed"], ledger, files.append_command)
+        ledger.emit("checkpoint_interval", **change)
+        ledger.save()
 
 
 def _disk_space(ledger: Ledger, files: RunFiles, step: int) -> None:

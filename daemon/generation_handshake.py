@@ -65,7 +65,7 @@ class GenerationHandshake:
         cfg = self._shaped(base, ledger.state.config_changes, members, self.coord.addr)
         if not self._confirmed(ledger):          # the shared files are the decider's to write
             return BecameLeader()
-        resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun)
+        resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun, ledger.state.cadence)
         stored = self.coord.generation()
         number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
         written = self.m.retrying(lambda: self.coord.publish_generation(

@@ -33,6 +33,7 @@ class Kind(str, enum.Enum):
     STRAGGLER = "straggler"                # a rank the others wait for (a warning; acted on when configured)
     DATA_CORRUPT = "data_corrupt"          # corpus blocks fail their checksums, found before training on them
     NODE_LOST = "node_lost"                # multi-node: a node's daemon went silent (its lease expired) or restarted
+    REPLICA_MISMATCH = "replica_mismatch"  # data-parallel replicas' weights differ: silent corruption
 
     @property
     def is_process_fault(self) -> bool:

@@ -44,6 +44,7 @@ class Ledger:
         self.state_file = StateFile(run_dir, self.emit)
         self.generation_opened: float | None = None   # the current generation opened, until its first step
         self.disk_space_low = False        # said with a disk_space_low warning; cleared when space comes back
+        self._cadence = None               # checkpoint.interval_steps = "auto" (daemon.cadence), made when first asked
 
     def _load(self) -> RunState:
         """state.json; a corrupt one is set aside (never deleted) and rebuilt from the event log, loudly.
@@ -150,6 +151,15 @@ class Ledger:
         self.state.apply_incident(record, in_force=in_force)
         self.save()
         self.emit(event, level=level, **record.log_fields())
+
+    def cadence_for(self, ck):
+        """The run's checkpoint cadence when an interval is "auto" (daemon.cadence), kept across generations
+        and, through state.json, daemons."""
+        if self._cadence is None and "auto" in (ck.interval_steps, ck.memory_interval_steps):
+            from daemon.cadence import Cadence
+
+            self._cadence = Cadence(ck, self.state.cadence)
+        return self._cadence
 
     def triaged(self, verdict: str, first_step: int, evidence: dict[str, Any]) -> None:
         """A rerun's verdict (daemon.triage): into state.json (the pending rerun is settled), the metrics

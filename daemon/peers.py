@@ -110,7 +110,8 @@ class Alone:
              stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
         n = ledger.next_generation()
         cfg = with_changes(base, ledger.state.config_changes)
-        resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun)
+        resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun,
+                                         ledger.state.cadence)
         return Opened(n, cfg.run.master_port or mindspore_env.free_port(cfg.run.master_addr), resume, cfg,
                       tuple(files.local_ranks))
 

@@ -12,6 +12,9 @@ The recovery ladder:
   handle it as a non-finite incident of fp32;
 - out of memory: restart with recompute on; if it already is, halve the micro-batch and double
   accumulation (the global batch stays); with nothing smaller to try, give up (exit 3);
+- replica mismatch (the data-parallel replicas' fingerprints differ: a weight corrupted silently): roll
+  back to the newest checkpoint at or before the last step they all agreed at; nothing skipped, no lr
+  cut (neither the data nor the numbers were at fault);
 - corrupt data (corpus blocks failing their checksums, found before training on them): resume
   from the newest healthy checkpoint before that step with the blocks quarantined (their samples
   are passed over); beyond `max_quarantined_fraction` of the corpus, give up (exit 65).
@@ -147,6 +150,13 @@ def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig, train:
                     f"step {target}", checkpoint_step=target, skip=None, lr_overrides=(), quarantine=bad)
 
 
+def _replicas(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
+    agreed = int(incident.evidence.get("last_agreed_step", incident.first_step - 1))
+    target = newest_healthy(history.committed_steps, history.incidents, h.rollback_margin_steps, before_step=agreed + 1)
+    return Rollback(f"replica mismatch at step {incident.last_step}: roll back to step {target}, at or before step "
+                    f"{agreed} where every replica agreed", checkpoint_step=target, skip=None, lr_overrides=())
+
+
 def _cut_lr(kind: Kind, incident: Incident, history: RunHistory, h: HealthConfig, target: int) -> Action:
     n = _recurrences(NUMERIC, incident, history, h.recur_window_steps) + 1
     factor = h.lr_cut_factor ** n
@@ -170,6 +180,7 @@ RULES: dict[Kind, Rule] = {
     Kind.CRASH: _restart, Kind.HANG: _restart, Kind.STRAGGLER: _restart, Kind.NODE_LOST: _restart,
     Kind.OOM: _smaller,
     Kind.DATA_CORRUPT: _quarantine,
+    Kind.REPLICA_MISMATCH: _replicas,
     Kind.OVERFLOW_STORM: _overflow_storm,
     Kind.LOSS_SPIKE: _numeric, Kind.LOSS_COLLAPSE: _numeric, Kind.GRAD_NORM_SPIKE: _numeric, Kind.NON_FINITE: _numeric,
 }

@@ -28,6 +28,7 @@ from contracts.protocol import (
     RerunDirective,
 )
 from daemon import mindspore_env
+from daemon.cadence import interval_args
 from daemon.generation import worker_env
 from daemon.incidents import IncidentRecord
 from daemon.policy import newest_healthy
@@ -102,9 +103,11 @@ class RunFiles:
 
     # A generation's files ----------------------------------------------------------------------
     def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None,
-                           rerun: dict | None = None) -> int:
+                           rerun: dict | None = None, cadence: dict | None = None) -> int:
         """The resolved config, the recovery directive, the rerun directive of a generation that reruns an
-        incident's steps and an empty commands file, ready for the ranks; returns the step they resume from."""
+        incident's steps and a fresh commands file, ready for the ranks; returns the step they resume from.
+        The commands file starts with the checkpoint intervals in force when they are "auto" (`cadence`:
+        state.json's, daemon.cadence): the ranks take them after their first step."""
         resolved = with_changes(cfg, {"run.dir": str(self.run_dir), "run.log_dir": str(self.log_dir)})
         write_atomically(self.resolved_config, to_toml(resolved, [
             "written by the llm-pretrain daemon for each generation: the config its ranks run with",
@@ -119,6 +122,8 @@ class RunFiles:
             self.rerun.unlink(missing_ok=True)
         self._seq = 0
         self.commands.write_text("")               # commands are per generation
+        if (intervals := interval_args(cfg.checkpoint, cadence)):
+            self.append_command("interval", intervals)
         return self.committed_step()
 
     def append_command(self, name: str, args: dict) -> int:

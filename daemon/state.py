@@ -60,6 +60,7 @@ class RunState:
                                          # `observed` (the first run's values of its steps) and `generation`
     triage: dict[str, int] = dataclasses.field(default_factory=dict)   # reruns' verdicts so far, by verdict
     transient_steps: list[int] = dataclasses.field(default_factory=list)   # where reruns found a transient fault
+    cadence: dict[str, Any] = dataclasses.field(default_factory=dict)   # checkpoint interval "auto": daemon.cadence's
     undecided: dict[str, Any] | None = None   # an incident that ended a generation, not yet decided (an Incident)
     checkpoints_failing_since: int | None = None   # the step of the first failed save since the last commit
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
@@ -189,6 +190,11 @@ class RunState:
             self.pending_rollback = action.checkpoint_step
         if isinstance(action, Rerun):
             self.rerun = rerun_of(record)
+
+    def failures(self) -> int:
+        """Incidents that cost the work since a checkpoint: process faults and reruns (daemon.cadence's MTBF)."""
+        return sum(1 for r in self.incidents if r.action is not None
+                   and (r.kind.is_process_fault or isinstance(r.action, Rerun)))
 
     def triaged(self, verdict: str, first_step: int) -> None:
         """The pending rerun's verdict: `transient` (training went on from the rerun) or `deterministic`

@@ -19,8 +19,10 @@ import math
 from typing import Any, Mapping
 
 from contracts.protocol import StepEvent
+from daemon.incidents import Kind
 
 VERDICTS = ("transient", "deterministic")
+RERUN_KINDS = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)   # what a rerun may judge
 
 
 def observed_values(ev: StepEvent) -> list:

@@ -22,13 +22,14 @@ from typing import Any, Mapping, Sequence
 
 from contracts.config import Config
 from contracts.protocol import (FINAL_WORKER_CODES, CheckpointEvent, DataFaultEvent, EvalEvent, ExitEvent,
-                                PhaseEvent, StepEvent)
+                                FingerprintEvent, PhaseEvent, StepEvent)
 from daemon import hang
 from daemon.control import VERBS, Request
 from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
+from daemon.replicas import ReplicaCheck
 from daemon.straggler import StragglerDetector
-from daemon.triage import RerunCheck, observed_values
+from daemon.triage import RERUN_KINDS, RerunCheck, observed_values
 
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
 PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often
@@ -37,6 +38,7 @@ PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progres
 
 # The incidents each fault drill is expected to cause (a drill's incident is labelled as such).
 DRILL_KINDS = {"nan": {Kind.NON_FINITE, Kind.OVERFLOW_STORM}, "bitflip": {Kind.NON_FINITE, Kind.OVERFLOW_STORM},
+               "corrupt-weight": {Kind.REPLICA_MISMATCH},
                "spike": {Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.GRAD_NORM_BURST},
                "hang": {Kind.HANG}, "crash": {Kind.CRASH}, "oom": {Kind.OOM},
                "slow": {Kind.STRAGGLER, Kind.THROUGHPUT_REGRESSION, Kind.HANG}}
@@ -121,6 +123,16 @@ class Committed:
 
 
 @dataclasses.dataclass(frozen=True)
+class Saving:
+    """A save of the watched rank moved: `stage` staged (it blocked the step `seconds`) or committed, on the
+    `tier` disk or memory (checkpoint.interval_steps = "auto" times them: daemon.cadence)."""
+    tier: str
+    stage: str
+    step: int
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointFailed:
     """A save failed (rank's detail says why); training goes on."""
     step: int
@@ -133,7 +145,10 @@ class DumpStacks:
     ranks: tuple[int, ...]
 
 
-Effect = Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | CheckpointFailed | DumpStacks
+Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | Saving | CheckpointFailed
+          | DumpStacks)
+_SAVING = {"staged": ("disk", "staged"), "committed": ("disk", "committed"),
+           "staged_in_memory": ("memory", "staged"), "in_memory": ("memory", "committed")}
 OBSERVED_KEPT = 512          # the watched rank's recent steps whose values a rerun compares
 
 
@@ -224,6 +239,7 @@ class Watch:
         self.progress = {r: hang.RankProgress(since_s=now) for r in self.ranks}
         self.step_times = hang.StepTimes()
         self.stragglers = StragglerDetector(cfg.health, self.ranks)
+        self.replicas = ReplicaCheck(self.ranks)
         self.pause = Pause.RUNNING
         self.paused_at = 0.0
         self._paused_elsewhere = False        # its ranks hold on another daemon's word (several machines)
@@ -281,6 +297,7 @@ class Watch:
             if self._paused_elsewhere and self.pause is Pause.PAUSED:
                 self._resumed_elsewhere(ev.step)
             compiled = ev.rank not in self._first_step_seen   # a generation's first step compiles: not a step time
+            self.replicas.started_at(ev.step - 1)
             if not compiled:
                 self.step_times.add(ev.step_s)
             self._first_step_seen.add(ev.rank)
@@ -291,6 +308,9 @@ class Watch:
             self._checkpoint(ev)
         elif isinstance(ev, EvalEvent):
             self._do(Validated(ev))
+        elif isinstance(ev, FingerprintEvent) and self._incident is None:
+            mismatch = self.replicas.observe(ev)
+            self._judge([mismatch] if mismatch else [], ev.step)
         elif isinstance(ev, ExitEvent):
             self._exit_reasons[ev.rank] = (ev.reason, ev.step)
         elif isinstance(ev, DataFaultEvent) and self._incident is None:
@@ -370,7 +390,7 @@ class Watch:
             if not incident.needs_action:
                 self._do(Warned(self._labelled(incident)))
                 continue
-            if not incident.kind.is_process_fault and incident.kind is not Kind.DATA_CORRUPT:
+            if incident.kind in RERUN_KINDS:
                 # what a rerun of its steps is compared with (daemon.triage)
                 observed = {str(s): self._recent[s] for s in range(incident.first_step, incident.last_step + 1)
                             if s in self._recent}
@@ -400,6 +420,8 @@ class Watch:
         return bool(self._unsettled)
 
     def _checkpoint(self, ev: CheckpointEvent) -> None:
+        if ev.rank == self.watched and ev.stage in _SAVING:
+            self._do(Saving(*_SAVING[ev.stage], ev.step, ev.seconds))
         if ev.stage == "staged":
             self._unsettled.add(ev.step)
         elif ev.stage in ("committed", "failed", "exists"):

@@ -161,6 +161,9 @@ class TrainerCheckpoints:
                     versions=self._versions)
         if not memory:
             self._emit("staged", step=step, seconds=time.monotonic() - started)
+        elif self.cfg.checkpoint.memory_interval_steps == "auto":     # the daemon times the RAM tier's saves too
+            self._emit_event(CheckpointEvent(rank=self.rank, generation=self.generation, step=step,
+                                             stage="staged_in_memory", seconds=time.monotonic() - started), log=False)
 
     def _host_value(self, p: ms.Parameter) -> np.ndarray:
         """p's value on the host. On the CPU, asnumpy() is a view of the parameter's live memory, which

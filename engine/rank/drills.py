@@ -15,6 +15,9 @@ Honoured only with `health.allow_fault_injection = true`.
     spike  this rank's batches of the window are replaced by uniformly random token ids, as from
            a corrupt shard: bad data the model cannot predict, a real loss spike, not a faked number;
            in the data, so a rerun of its steps (contracts.protocol.RerunDirective) reads it again
+    corrupt-weight  one bit of one weight flips on this rank, once (a low mantissa bit of the first
+           parameter's first element): silent — no loss or gradient shows it — until the replicas'
+           fingerprints are compared (health.fingerprint_interval_steps)
     hang   the rank stops stepping for `seconds` (default: an hour)
     crash  the rank SIGKILLs itself
     slow   `seconds` (default 0.5) of sleep before each step of the window
@@ -88,6 +91,13 @@ class Drills:
         steps = req.steps_or_default
         self.pending.append(Drill(req.fault, first, steps, req.seconds_or_default))
         self.log(f"inject command {seq}: {req.fault} at step {first} for {steps} step(s) on rank {self.rank}")
+
+    def corrupts_weight(self, step: int) -> bool:
+        """A corrupt-weight drill is due before `step` (the caller flips the bit)."""
+        due = any(d.fault == "corrupt-weight" and d.first_step == step for d in self.pending)
+        if due:
+            self.log(f"drill: flipping one bit of one weight before step {step}")
+        return due
 
     def before_step(self, step: int) -> tuple[float, bool]:
         """Runs the process-level faults due before `step`; returns (poison, corrupt) for the step."""

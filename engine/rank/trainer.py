@@ -20,6 +20,7 @@ import numpy as np
 
 from contracts.config import Config
 from contracts.protocol import (
+    AUTO_FIRST_STEPS,
     ENV_COMMANDS,
     ENV_EVENT_SOCKET,
     ENV_GENERATION,
@@ -27,6 +28,7 @@ from contracts.protocol import (
     DataFaultEvent,
     EvalEvent,
     ExitEvent,
+    FingerprintEvent,
     PhaseEvent,
     RecoveryDirective,
     StepEvent,
@@ -166,6 +168,28 @@ class Trainer:
     def lift_loss_scale_cap(self) -> None:
         self.step_fn.scaler.lift_cap()
 
+    def replicas_compare(self) -> bool:
+        """Whether this rank's parameters have replicas to compare with: data parallel, unsliced."""
+        return self.cfg.parallel.dp > 1 and not self.parallelism.semi_auto
+
+    def fingerprint(self) -> tuple[list[int], list[str]]:
+        """engine.rank.fingerprint's digest of the model's parameters, and each group's first name."""
+        from engine.rank import fingerprint
+
+        params = list(self.net.trainable_params())
+        names = [params[a].name for a, _ in fingerprint.group_bounds(len(params))]
+        return fingerprint.fingerprint([p.asnumpy() for p in params]), names
+
+    def flip_weight_bit(self) -> str:
+        """The corrupt-weight drill: one bit of the first parameter's first element, flipped; its name."""
+        from engine.rank import fingerprint
+        from engine.rank.checkpoint import set_parameters
+
+        p = next(iter(self.net.trainable_params()))
+        set_parameters([p], {p.name: fingerprint.flip_bit(p.asnumpy())}, source="the corrupt-weight drill",
+                       error=RuntimeError)
+        return p.name
+
     def params_sha256(self) -> str:
         """Over every parameter's name and bytes; one still holding its initializer (semi-auto, before the
         compile sliced it, or another stage's) counts by name only: reading it would build it whole."""
@@ -209,6 +233,10 @@ class RankRun:
         self.ckpt = None
         self.held_out = held_out          # the validation sequences (order.validation_batches), or None
         self.evaluator = None             # built at the first evaluation (its graph compiles then)
+        # how often to save to disk and to the RAM tier: as configured, or ("auto") as the daemon says
+        self.intervals = {key: value if isinstance(value, int) else AUTO_FIRST_STEPS for key, value in (
+            ("interval_steps", cfg.checkpoint.interval_steps),
+            ("memory_interval_steps", cfg.checkpoint.memory_interval_steps))}
 
     @classmethod
     def start(cls, cfg: Config, *, out: TextIO, env) -> RankRun:
@@ -269,6 +297,7 @@ class RankRun:
             event, agreed = self._step(last)
             stopping, pausing, save_now = self._agree(event, agreed, last)
             self._save(event, save_now)
+            self._fingerprint(event.step)
             if stopping:
                 return "stopped"
             self._evaluate(event.step, last)
@@ -284,6 +313,8 @@ class RankRun:
         self.commands.poll()
         self.ckpt.poll()
         control = np.concatenate([[int(self.stop.requested)], self.commands.encode(self.applied)]).astype(np.int32)
+        if self.drills.corrupts_weight(trainer.step + 1):
+            trainer.flip_weight_bit()
         poison, corrupt = self.drills.before_step(trainer.step + 1)
         try:
             event = trainer.train_step(control=control, poison=poison, corrupt=corrupt)
@@ -302,7 +333,7 @@ class RankRun:
 
     def _agree(self, event: StepEvent, agreed: np.ndarray, last: int) -> tuple[bool, bool, bool]:
         """What every rank applies after this step: (stop, pause, save now)."""
-        interval = self.cfg.checkpoint.interval_steps
+        interval = self.intervals["interval_steps"]
         stopping = bool(agreed[STOP_SLOT] > 0)
         pausing = False
         save_now = stopping or event.step == last or bool(interval and event.step % interval == 0)
@@ -316,17 +347,32 @@ class RankRun:
                 pausing = save_now = event.step < last
             elif cmd.name == "inject":
                 self.drills.add(cmd.seq, cmd.args, self.trainer.step)
+            elif cmd.name == "interval":          # checkpoint.interval_steps = "auto": the daemon's Young/Daly
+                self.intervals.update({k: int(v) for k, v in cmd.args.items() if k in self.intervals and
+                                       isinstance(v, int) and v >= 1})
         return stopping, pausing, save_now
 
     def _save(self, event: StepEvent, save_now: bool) -> None:
         if self.simulated:
             return
         metrics = {"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr, "loss_scale": event.loss_scale}
-        in_memory = self.cfg.checkpoint.memory_interval_steps
+        in_memory = self.cfg.checkpoint.memory_interval_steps and self.intervals["memory_interval_steps"]
         if save_now:
             self.ckpt.save(metrics)
         elif in_memory and event.step % in_memory == 0:
             self.ckpt.save(metrics, memory=True)             # the RAM tier, between disk saves
+
+    def _fingerprint(self, step: int) -> None:
+        """Every health.fingerprint_interval_steps, this replica's digest to the supervisor, which compares
+        the replicas' (daemon.replicas)."""
+        interval = self.cfg.health.fingerprint_interval_steps
+        if not interval or step % interval or self.simulated or not self.trainer.replicas_compare():
+            return
+        started = time.perf_counter()
+        groups, names = self.trainer.fingerprint()
+        self.sink.emit(FingerprintEvent(rank=self.rank_info.rank, generation=self.generation, step=step,
+                                        groups=groups, names=names, seconds=time.perf_counter() - started),
+                       log=False)
 
     def _evaluate(self, step: int, last: int) -> None:
         """The validation loss every train.eval_interval_steps and after the last step: rank 0 measures

@@ -14,6 +14,9 @@ which it resumes. Faults on cue, in chosen generations:
                          generation that reruns those steps (ENV_RERUN) spikes again, in any generation;
                          with --spike-device, a device's fault: only where faulty, never in a rerun
     --hog-at STEP        allocate memory until killed after STEP (an out-of-memory drill)
+    --save-s S           a save blocks S seconds and says so (a `staged` event: what "auto" intervals time)
+    --fingerprint-every N   a fingerprint event every N steps (the same on every rank ...)
+    --corrupt-at STEP    ... but, from STEP on, not on a faulty rank (a weight corrupted silently)
     --ignore-term        ignore SIGTERM (a rank stuck where no handler runs)
     --linger-s S         stay S seconds after the exit event (a framework's slow teardown)
     --rank-faults R      only rank R misbehaves (default: all)
@@ -21,8 +24,9 @@ which it resumes. Faults on cue, in chosen generations:
                          SIGTERM comes (a test's cue that what must happen first has happened)
     --fault-generations G[,G...]   only in these generations (default: all)
 
-It honours the recovery directive (skip ranges move its sample ranges; lr
-overrides set the reported lr multiplier) and reads nothing from the config
+It honours `interval` commands (the daemon's checkpoint interval when it is "auto") and the recovery
+directive (skip ranges move its sample ranges; lr overrides set the reported lr multiplier) and reads
+nothing from the config
 file the daemon hands it (`--config`) but prints its [train], [optim] and [parallel]
 keys, so tests can see the config each generation was started with.
 """
@@ -50,6 +54,7 @@ from contracts.protocol import (
     CheckpointEvent,
     Command,
     ExitEvent,
+    FingerprintEvent,
     PhaseEvent,
     RecoveryDirective,
     RerunDirective,
@@ -59,8 +64,11 @@ from contracts.protocol import (
 )
 
 
+INTERVAL = {}     # the last `interval` command's args (checkpoint.interval_steps = "auto")
+
+
 def _new_commands(path: str | None, seen: int) -> tuple[int, list[str]]:
-    """The commands after seq `seen`: (the newest seq, their names)."""
+    """The commands after seq `seen`: (the newest seq, their names); an `interval` command's args into INTERVAL."""
     names = []
     if path and os.path.exists(path):
         for line in Path(path).read_text().splitlines():
@@ -68,6 +76,8 @@ def _new_commands(path: str | None, seen: int) -> tuple[int, list[str]]:
             if cmd.seq > seen:
                 seen = cmd.seq
                 names.append(cmd.name)
+                if cmd.name == "interval":
+                    INTERVAL.update(cmd.args)
     return seen, names
 
 
@@ -100,6 +110,9 @@ def main() -> int:
     ap.add_argument("--spike-steps", type=int, default=6)
     ap.add_argument("--spike-device", action="store_true")
     ap.add_argument("--hog-at", type=int)
+    ap.add_argument("--fingerprint-every", type=int)
+    ap.add_argument("--save-s", type=float, default=0.0)
+    ap.add_argument("--corrupt-at", type=int)
     ap.add_argument("--config")
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--linger-s", type=float, default=0.0)     # after the exit event (a framework's teardown)
@@ -162,6 +175,9 @@ def main() -> int:
     emit(PhaseEvent(rank=rank, generation=generation, phase="compile", step=step))
 
     def save():
+        if a.save_s:       # the save blocks the step this long (said as its `staged` cost)
+            time.sleep(a.save_s)
+            emit(CheckpointEvent(rank=rank, generation=generation, step=step, stage="staged", seconds=a.save_s))
         if rank == 0:      # a manifest with no shards: complete, as far as the daemon checks
             tmp = ckpts / f"step-{step:08d}.tmp"
             tmp.mkdir(parents=True, exist_ok=True)
@@ -220,6 +236,10 @@ def main() -> int:
         emit(StepEvent(rank=rank, generation=generation, step=step, loss=loss, grad_norm=1.0, loss_scale=1.0,
                        lr=1e-3 * multiplier, lr_multiplier=multiplier, skipped=False, sample_start=start,
                        sample_end=end, tokens=512, step_s=a.step_s, data_wait_s=0.0, tokens_per_s=512 / a.step_s))
+        if a.fingerprint_every and step % a.fingerprint_every == 0:
+            corrupt = faulty and a.corrupt_at is not None and step >= a.corrupt_at
+            emit(FingerprintEvent(rank=rank, generation=generation, step=step, groups=[step, 1 << 10 if corrupt else 0],
+                                  names=["embed", "layers.0"], seconds=0.001))
         seen, names = _new_commands(commands_path, seen)
         if "pause" in names:             # hold (as the engine does) until resumed, released or stopped
             emit(PhaseEvent(rank=rank, generation=generation, phase="paused", step=step))
@@ -229,7 +249,7 @@ def main() -> int:
             if "release" in names:
                 reason = "released"
                 break
-        if step % a.interval == 0 or step == a.steps or "checkpoint" in names or "stop" in names \
+        if step % INTERVAL.get("interval_steps", a.interval) == 0 or step == a.steps or "checkpoint" in names or "stop" in names \
                 or stop["requested"]:
             save()
         if "stop" in names or stop["requested"]:

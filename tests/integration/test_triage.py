@@ -70,3 +70,56 @@ def test_a_spike_its_rerun_repeats_is_the_data_and_is_rolled_back_skipped_and_cu
     assert all(e["sample_end"] <= skip[0] or e["sample_start"] >= skip[1] for e in gen3), "skipped samples seen"
     state = RunState.load(run)
     assert state.triage == {"deterministic": 1} and state.transient_steps == [] and state.rerun is None
+
+
+def test_replicas_whose_fingerprints_differ_are_rolled_back_to_where_they_last_agreed(tmp_path):
+    run = tmp_path / "run"
+    code, events, err = _finish(_start(run, ranks=2, overrides=HEALTH + ["health.fingerprint_interval_steps=10"], fake=[
+        "--steps", "60", "--interval", "5", "--fingerprint-every", "10", "--corrupt-at", "33", "--rank-faults", "1",
+        "--fault-generations", "1", "--lockstep", str(tmp_path / "lockstep"), "--lockstep-world", "2"]))
+    assert code == 0, err
+    [incident] = _named(events, "incident")
+    assert incident["kind"] == "replica_mismatch" and "rank" not in incident       # two replicas: a tie
+    evidence = incident["evidence"]
+    assert (evidence["step"], evidence["last_agreed_step"], evidence["groups"]) == (40, 30, [1])
+    assert evidence["tie"] is True and evidence["odd_ranks"] == [0, 1]
+    action = incident["action"]
+    # where they last agreed (30), nothing skipped, the lr untouched: neither the data nor the numbers were at fault
+    assert action["type"] == "rollback" and action["checkpoint_step"] == 30
+    assert action["skip"] is None and action["lr_overrides"] == []
+    assert _named(events, "generation_start")[1]["resume_step"] == 30
+    gen2 = _steps(run, 2)
+    assert gen2[0]["step"] == 31 and gen2[-1]["step"] == 60 and all(e["lr_multiplier"] == 1.0 for e in gen2)
+    assert RunState.load(run).status == "finished"
+
+
+def _committed(events, generation):
+    return [e["step"] for e in _named(events, "checkpoint_committed") if e["generation"] == generation]
+
+
+def test_an_auto_checkpoint_interval_follows_young_daly_and_shortens_after_a_failure(tmp_path, cli, quiet_env):
+    import subprocess
+
+    run = tmp_path / "run"
+    # every figure reported, none timed: steps of 0.01 s, saves blocking 0.02 s, a prior MTBF of 50 s
+    code, events, err = _finish(_start(run, overrides=[
+        "checkpoint.interval_steps=auto", "checkpoint.auto_mtbf_prior_s=50", "checkpoint.keep_last=10"], fake=[
+        "--steps", "400", "--step-s", "0.01", "--save-s", "0.02", "--crash-at", "200", "--fault-generations", "1",
+        "--interval", "50"]),               # the engine's starting interval (AUTO_FIRST_STEPS)
+        timeout=120)
+    assert code == 0, err
+    first, second = _named(events, "checkpoint_interval")[:2]
+    # at the first save (step 50: the ranks' starting interval), 49 steps trained (the first compiles):
+    # sqrt(2 x 0.02 s x (0.49 s + 50 s) / 1) = 1.421 s = 142 steps
+    assert first["changed"] == {"interval_steps": 142} and first["failures"] == 0
+    assert first["tiers"]["disk"]["cost_s"] == 0.02 and first["step_s"] == 0.01
+    assert _committed(events, 1)[:2] == [50, 142]          # the ranks took it at once
+    # the next generation (from 142) starts with the interval in force (its commands file's first) and saves at
+    # 284 by it; the crash at 200 was a failure: MTBF halves, the interval shrinks by about 1/sqrt(2)
+    assert _committed(events, 2)[0] == 284
+    assert second["generation"] == 2 and second["failures"] == 1
+    assert second["changed"]["interval_steps"] < 142 * 0.8
+    state = RunState.load(run)
+    assert state.cadence["interval_steps"] == second["changed"]["interval_steps"]
+    shown = subprocess.run([*cli, "status", str(run), "--json"], env=quiet_env, capture_output=True, text=True)
+    assert json.loads(shown.stdout)["checkpoint_intervals"] == {"interval_steps": state.cadence["interval_steps"]}
