@@ -191,6 +191,10 @@ class RunState:
         if isinstance(action, Rerun):
             self.rerun = rerun_of(record)
 
+    def set_cadence(self, cadence: Mapping[str, Any]) -> None:
+        """The automatic checkpoint interval's state (daemon.cadence), kept for the next daemon."""
+        self.cadence = dict(cadence)
+
     def failures(self) -> int:
         """Incidents that cost the work since a checkpoint: process faults and reruns (daemon.cadence's MTBF)."""
         return sum(1 for r in self.incidents if r.action is not None

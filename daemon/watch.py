@@ -364,11 +364,12 @@ class Watch:
             self._judge(found, ev.step)
 
     def _triage(self, ev: StepEvent, found: list[Incident]) -> list[Incident]:
-        """While a rerun's steps run, its verdict decides: the incidents it would reproduce are held;
+        """While a rerun's steps run, its verdict decides: the incidents within its steps are held (one before
+        them is a new incident, decided as any);
         `deterministic` brings the incident back (with the verdict as its `triage` evidence) for the
         policy to decide on, `transient` lets training go on."""
         check = self.rerun
-        held = [i for i in found if i.needs_action and i.first_step <= check.last]
+        held = [i for i in found if i.needs_action and i.last_step >= check.first and i.first_step <= check.last]
         found = [i for i in found if i not in held]
         self._held = self._held or (held[0] if held else None)
         verdict = check.observe(ev)

@@ -192,3 +192,10 @@ def test_a_single_step_with_a_grad_norm_300x_its_window_is_a_warning_once():
 @pytest.mark.parametrize("name", ["normal_lr3e-3.csv", "highlr_6e-2.csv"])
 def test_the_recorded_curves_have_no_burst(name):
     assert not [i for i in _run(_curve(name)) if i.kind == "grad_norm_burst"]
+
+
+@pytest.mark.parametrize("name", ["normal_lr3e-3.csv", "highlr_6e-2.csv"])
+def test_the_recorded_curves_are_never_rerun(name):
+    """A rerun (health.rerun, daemon.triage) is the policy's first answer to an incident that needs action:
+    a healthy or merely unstable run raises none, so it never pays for one."""
+    assert [i for i in _run(_curve(name)) if i.needs_action] == []

@@ -284,7 +284,7 @@ def test_checkpoint_events_are_reported_and_a_commit_asks_for_retention():
     w.on_event(CheckpointEvent(rank=0, generation=1, step=10, stage="committed"), 2.0)
     w.on_event(CheckpointEvent(rank=1, generation=1, step=10, stage="written"), 2.0)
     w.on_event(CheckpointEvent(rank=0, generation=1, step=20, stage="failed", detail="ENOSPC"), 3.0)
-    effects = [e for e in w.drain() if not isinstance(e, Progress)]
+    effects = [e for e in w.drain() if not isinstance(e, (Progress, watch.Saving))]
     assert effects[0] == Committed(10, current_step=12, rank=0)
     assert watch.CheckpointFailed(20, "ENOSPC") in effects          # training goes on: no outcome
     assert w.tick(3.0) is None
@@ -501,3 +501,29 @@ def test_a_rerun_differing_by_less_than_the_tolerance_is_a_repeat_and_by_one_ulp
     out = again.tick(12.0)
     assert kinds(again.drain(), watch.Triaged)[0].verdict == "transient"
     assert out.incident.kind is Kind.LOSS_SPIKE and "triage" not in out.incident.evidence
+
+
+def test_an_incident_before_the_rerun_steps_is_not_held_for_their_verdict():
+    cfg = load_config(None, ["health.loss_spike_warmup_steps=10", "health.loss_spike_window_steps=10"])
+    monitor = HealthMonitor(cfg.health, precision=cfg.train.precision)
+    rerun = {"kind": "loss_spike", "first_step": 40, "last_step": 42, "checkpoint_step": 25,
+             "observed": {"40": [12.0, 1.0, False]}, "drills": []}
+    w = Watch(cfg, generation=2, ranks=(0,), now=0.0, monitor=monitor, rerun=rerun)
+    t = steps(w, 1, 29, 0.0, ranks=(0,), loss=3.0, generation=2)
+    steps(w, 30, 30, t, ranks=(0,), loss=3.0, skipped=True, generation=2)       # a NaN at 30, before 40
+    out = w.tick(t + 1)
+    assert out.incident.kind is Kind.NON_FINITE and out.incident.first_step == 30
+    assert not kinds(w.drain(), watch.Triaged)                                    # no verdict on 40-42 yet
+
+
+def test_the_watched_ranks_saves_are_timed_for_an_auto_interval():
+    w = make()
+    steps(w, 1, 3, 0.0)
+    for rank in (0, 1):
+        w.on_event(CheckpointEvent(rank=rank, generation=1, step=3, stage="staged", seconds=0.25), 1.0)
+        w.on_event(CheckpointEvent(rank=rank, generation=1, step=3, stage="staged_in_memory", seconds=0.01), 1.0)
+        w.on_event(CheckpointEvent(rank=rank, generation=1, step=3, stage="in_memory", seconds=0.5), 1.0)
+    saving = kinds(w.drain(), watch.Saving)
+    assert saving == [watch.Saving("disk", "staged", 3, 0.25), watch.Saving("memory", "staged", 3, 0.01),
+                      watch.Saving("memory", "committed", 3, 0.5)]
+    assert w.saving and w.stalled_s(100.0) == 0.0          # the disk save is unsettled; the RAM tier's never is
