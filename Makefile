@@ -49,6 +49,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/memory_model.py
 	$(BIN)/python bench/dp_scaling.py
 	$(BIN)/python bench/goodput.py
+	$(BIN)/python bench/goodput.py --mix
 	$(BIN)/python bench/validation_cost.py
 	$(BIN)/python bench/fingerprint_cost.py
 	$(BIN)/python bench/multinode_scale.py

@@ -12,7 +12,15 @@ lost (the step the daemon last saw − the step restored). Targets (issue 17):
 ≥ 0.90 at a kill a minute, ≥ 0.97 at one every 5 minutes. Writes
 bench/results/goodput.json.
 
+With --mix (issue 35): a kill at exponential intervals of 60 s plus a bitflip (a transient device fault: one
+rank's gradients overflow once) every 300 s (the first at 150 s), for --mix-wall-s (600) — once with reruns
+(the default: a rerun from the RAM tier finds the flip transient and training goes on), once with today's
+policy (`health.rerun = false`: roll back to a disk checkpoint before the margin, skip the window, cut the
+lr), both on the same kill schedule, and an uninterrupted run of the same wall time beside them. Goodput
+of each against it, and per bitflip: the action, the verdict, the steps lost and the recovery.
+
     python bench/goodput.py [--intervals 60,300] [--faults 5] [--seed 0]
+    python bench/goodput.py --mix [--mix-wall-s 600] [--seed 0]
 """
 from __future__ import annotations
 
@@ -45,15 +53,23 @@ def _final_step(run: Path) -> int:
     return exits[-1]["step"] if exits else 0
 
 
-def soak(workdir: Path, corpus: Path, *, wall_s: float, interval_s: float | None, rng: random.Random) -> dict:
+def soak(workdir: Path, corpus: Path, *, wall_s: float, interval_s: float | None, rng: random.Random,
+         bitflip_s: float | None = None, extra: tuple = ()) -> dict:
+    from daemon import control
+
     run = workdir / f"{'faults' if interval_s else 'clean'}-{time.monotonic_ns()}"
-    daemon = _daemon(run, corpus, cache=True, standby=True, extra=EXTRA)
+    daemon = _daemon(run, corpus, cache=True, standby=True, extra=(*EXTRA, *extra))
     started = time.time()
-    kills = []
+    kills, flips = [], []
     try:
         next_kill = started + rng.expovariate(1 / interval_s) if interval_s else float("inf")
+        next_flip = started + bitflip_s / 2 if bitflip_s else float("inf")
         while time.time() < started + wall_s:
             time.sleep(0.05)
+            if time.time() >= next_flip:
+                control.write_request(run / "control", "inject", {"fault": "bitflip", "rank": rng.randrange(2)})
+                flips.append(time.time())
+                next_flip += bitflip_s
             if time.time() < next_kill:
                 continue
             try:
@@ -83,7 +99,47 @@ def soak(workdir: Path, corpus: Path, *, wall_s: float, interval_s: float | None
                        "recovery_s": round(_at(back) - killed_at, 2) if back else None,
                        "lost_steps": crash["step"] - restored["step"] if restored else None,
                        "standby": bool(start and start.get("standby"))})
-    return {"final_step": _final_step(run), "wall_s": wall_s, "faults": faults}
+    return {"final_step": _final_step(run), "wall_s": wall_s, "faults": faults,
+            "bitflips": [_flipped(events, at, started) for at in flips]}
+
+
+def _flipped(events: list[dict], at: float, started: float) -> dict:
+    """What a bitflip injected at `at` cost: the incident, its action, the rerun's verdict, steps lost, recovery."""
+    incident = next((e for e in events if e["event"] == "incident" and e.get("kind") == "non_finite"
+                     and _at(e) >= at), None)
+    if incident is None:
+        return {"at_s": round(at - started, 2), "detected": False}
+    nxt = lambda name: next((e for e in events if e["event"] == name and e.get("generation") == incident["generation"] + 1),
+                            None)
+    back, restored = nxt("first_step"), nxt("checkpoint_restored")
+    verdict = next((e["verdict"] for e in events if e["event"] == "triage" and _at(e) >= _at(incident)), None)
+    return {"at_s": round(at - started, 2), "detected": True, "action": incident["action"]["type"], "verdict": verdict,
+            "lost_steps": incident["first_step"] - restored["step"] if restored else None,
+            "recovery_s": round(_at(back) - _at(incident), 2) if back else None,
+            "skip": incident["action"].get("skip"), "lr_overrides": incident["action"].get("lr_overrides")}
+
+
+def mix(corpus: Path, workdir: Path, *, wall_s: float, seed: int, bitflip_s: float = 300.0) -> dict:
+    """Kills a minute apart on average plus a bitflip every 5 minutes: reruns against today's policy."""
+    runs = {}
+    for name, extra in (("reruns", ("health.rerun=true",)), ("today", ("health.rerun=false",))):
+        runs[name] = soak(workdir, corpus, wall_s=wall_s, interval_s=60.0, rng=random.Random(seed), bitflip_s=bitflip_s,
+                          extra=extra)
+    clean = soak(workdir, corpus, wall_s=wall_s, interval_s=None, rng=random.Random(seed))
+    return {"wall_s": wall_s, "kill_every_s": 60.0, "bitflip_every_s": bitflip_s, "clean": clean,
+            **{name: {**r, "goodput": r["final_step"] / max(1, clean["final_step"])} for name, r in runs.items()}}
+
+
+def _print_mix(m: dict) -> None:
+    print(f"goodput, a kill a minute plus a bitflip every {m['bitflip_every_s']:.0f} s ({m['wall_s']:.0f} s each; tiny, 2 ranks, warm "
+          f"standby, RAM tier every step); uninterrupted: {m['clean']['final_step']} steps")
+    print(f"{'policy':>8} {'steps':>7} {'goodput':>8} {'kills':>6} {'flips':>6}  per bitflip: action/verdict, lost steps, "
+          "recovery s")
+    for name in ("reruns", "today"):
+        r = m[name]
+        flips = "; ".join(f"{f.get('action')}/{f.get('verdict') or '-'}, {f.get('lost_steps')}, {f.get('recovery_s')}"
+                          if f.get("detected") else "not detected" for f in r["bitflips"])
+        print(f"{name:>8} {r['final_step']:>7} {r['goodput']:>8.3f} {len(r['faults']):>6} {len(r['bitflips']):>6}  {flips}")
 
 
 def main() -> None:
@@ -91,8 +147,23 @@ def main() -> None:
     parser.add_argument("--intervals", default="60,300", help="mean seconds between kills, comma-separated")
     parser.add_argument("--faults", type=int, default=5, help="soak length in mean intervals")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mix", action="store_true", help="kills plus bitflips: reruns against today's policy")
+    parser.add_argument("--mix-wall-s", type=float, default=600.0)
+    parser.add_argument("--bitflip-s", type=float, default=300.0, help=argparse.SUPPRESS)   # a quick check
     args = parser.parse_args()
     from engine.data.prepare import STDLIB, prepare
+
+    if args.mix:
+        with tempfile.TemporaryDirectory() as tmp:
+            corpus = Path(tmp) / "stdlib"
+            prepare([STDLIB], corpus, log=open(os.devnull, "w"))
+            m = mix(corpus, Path(tmp), wall_s=args.mix_wall_s, seed=args.seed, bitflip_s=args.bitflip_s)
+        _print_mix(m)
+        path = ROOT / "bench" / "results" / "goodput.json"
+        data = json.loads(path.read_text()) if path.exists() else {"benchmark": "goodput"}
+        data["mix"] = {**m, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        path.write_text(json.dumps(data, indent=2) + "\n")
+        return
 
     rng, results = random.Random(args.seed), []
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,9 +196,10 @@ def main() -> None:
     ran = {r["interval_s"] for r in results}
     merged = sorted([r for r in kept if r["interval_s"] not in ran] + [{**r, "created": now} for r in results],
                     key=lambda r: r["interval_s"])
+    mixed = json.loads(path.read_text()).get("mix") if path.exists() else None     # --mix's, kept
     path.write_text(json.dumps({
         "benchmark": "goodput", "config": "configs/tiny.toml (2 ranks)", "overrides": EXTRA, "results": merged,
-        "created": now}, indent=2) + "\n")
+        "created": now, **({"mix": mixed} if mixed else {})}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

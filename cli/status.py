@@ -152,7 +152,8 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
                 "drill": "drill" in incident.incident.evidence},
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
             "checkpoint_intervals": {k: v for k, v in state.cadence.items() if k.endswith("interval_steps")} or None,
-            "triage": dict(state.triage), "rerun_pending": None if not state.rerun else {
+            "triage": dict(state.triage), "transient_by_rank": dict(state.transient_by_rank),
+            "rerun_pending": None if not state.rerun else {
                 k: state.rerun[k] for k in ("kind", "first_step", "last_step", "checkpoint_step")},
             "config_changes": state.config_changes or None,
             "last_request": None if not state.last_control else {
@@ -204,6 +205,9 @@ def render(s: dict[str, Any]) -> str:
                                                    for k, v in s["checkpoint_intervals"].items())))
     if s.get("triage") or s.get("rerun_pending"):
         verdicts = ", ".join(f"{n} {v}" for v, n in sorted(s.get("triage", {}).items())) or "none yet"
+        if s.get("transient_by_rank"):
+            verdicts += " (transient faults by rank: " + ", ".join(
+                f"{r}: {n}" for r, n in sorted(s["transient_by_rank"].items(), key=lambda x: int(x[0]))) + ")"
         pending = s.get("rerun_pending")
         rows.append(("reruns", verdicts + (f"; rerunning {pending['kind']} steps {pending['first_step']}-"
                                            f"{pending['last_step']} from step {pending['checkpoint_step']}"

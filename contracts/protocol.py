@@ -50,12 +50,16 @@ DATAGRAM_RETRY_S = 0.005
 def _encode_float(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # 'nan', 'inf', '-inf'
+    if isinstance(value, list):
+        return [_encode_float(v) for v in value]
     return value
 
 
 def _decode_float(value: Any) -> Any:
     if isinstance(value, str) and value in ("nan", "inf", "-inf"):
         return float(value)
+    if isinstance(value, list):
+        return [_decode_float(v) for v in value]
     return value
 
 
@@ -93,6 +97,10 @@ class StepEvent(_Event):
     host_s: float = 0.0       # from the previous step's end to this step's compiled work: data, drills, saves
     sync_s: float = 0.0       # in the compiled graph holding the step's collectives: the rank the others
                               # wait for spends the least time there
+    # data parallel (up to 64 ranks): every rank's own loss and own gradient norm before the sum, by rank —
+    # which rank a non-finite or outlying gradient came from (daemon.triage)
+    rank_losses: list[float] | None = None
+    rank_grad_norms: list[float] | None = None
     kind: str = "step"
 
 

@@ -164,7 +164,7 @@ class Ledger:
     def triaged(self, verdict: str, first_step: int, evidence: dict[str, Any]) -> None:
         """A rerun's verdict (daemon.triage): into state.json (the pending rerun is settled), the metrics
         and the log — a transient fault as a warning (training went on past it)."""
-        self.state.triaged(verdict, first_step)
+        self.state.triaged(verdict, first_step, evidence.get("suspects") or ())
         self.metrics.count_triage(verdict)
         self.save()
         detail = ("not reproduced: a transient fault; training goes on from the rerun (no rollback, no skip, no lr cut)"

@@ -60,6 +60,7 @@ class RunState:
                                          # `observed` (the first run's values of its steps) and `generation`
     triage: dict[str, int] = dataclasses.field(default_factory=dict)   # reruns' verdicts so far, by verdict
     transient_steps: list[int] = dataclasses.field(default_factory=list)   # where reruns found a transient fault
+    transient_by_rank: dict[str, int] = dataclasses.field(default_factory=dict)   # the ranks those faults came from
     cadence: dict[str, Any] = dataclasses.field(default_factory=dict)   # checkpoint interval "auto": daemon.cadence's
     undecided: dict[str, Any] | None = None   # an incident that ended a generation, not yet decided (an Incident)
     checkpoints_failing_since: int | None = None   # the step of the first failed save since the last commit
@@ -200,13 +201,16 @@ class RunState:
         return sum(1 for r in self.incidents if r.action is not None
                    and (r.kind.is_process_fault or isinstance(r.action, Rerun)))
 
-    def triaged(self, verdict: str, first_step: int) -> None:
-        """The pending rerun's verdict: `transient` (training went on from the rerun) or `deterministic`
-        (the incident is decided again, on its own row of the policy)."""
+    def triaged(self, verdict: str, first_step: int, suspects: Sequence[int] = ()) -> None:
+        """The pending rerun's verdict: `transient` (training went on from the rerun; counted against the
+        ranks its first run pointed at) or `deterministic` (the incident is decided again, on its own row
+        of the policy)."""
         self.rerun = None
         self.triage[verdict] = self.triage.get(verdict, 0) + 1
         if verdict == "transient":
             self.transient_steps.append(first_step)
+            for rank in suspects:
+                self.transient_by_rank[str(rank)] = self.transient_by_rank.get(str(rank), 0) + 1
 
     def rollback_done(self, resume_step: int | None = None) -> None:
         """The pending rollback's renames are done; the run resumes from `resume_step` (None: not known,
@@ -265,7 +269,7 @@ def rerun_of(record: IncidentRecord) -> dict[str, Any]:
     directive = RerunDirective(kind=incident.kind.value, first_step=action.first_step, last_step=action.last_step,
                                checkpoint_step=action.checkpoint_step, drills=drills)
     return {**directive.to_dict(), "observed": dict(incident.evidence.get("observed") or {}),
-            "generation": record.generation}
+            "suspects": list(incident.evidence.get("suspects") or ()), "generation": record.generation}
 
 
 def set_aside(run_dir: Path, now_s: float) -> Path:

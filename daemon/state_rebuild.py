@@ -57,7 +57,8 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
                 counts["rollbacks"] += 1
                 decided_in = record.generation
         elif name == "triage" and e.get("verdict") in VERDICTS:     # a rerun's verdict: the rerun is settled
-            state.triaged(e["verdict"], _int(e.get("first_step"), 0))
+            state.triaged(e["verdict"], _int(e.get("first_step"), 0),
+                          [r for r in e.get("suspects") or () if isinstance(r, int)])
         elif name == "rollback":            # the renames of the recorded rollback were done
             state.rollback_done()
         elif name == "restart":

@@ -16,13 +16,37 @@ judged deterministic: the policy of old, never a guess in the run's favour. Pure
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+import statistics
+from typing import Any, Mapping, Sequence
 
 from contracts.protocol import StepEvent
 from daemon.incidents import Kind
 
 VERDICTS = ("transient", "deterministic")
 RERUN_KINDS = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)   # what a rerun may judge
+
+
+OUTLIER = 10.0     # an own gradient norm this many times the others' median marks its rank
+
+
+def suspects(steps: Sequence[tuple[Sequence[float] | None, Sequence[float] | None]]) -> list[int]:
+    """The ranks an incident's steps point at, from each rank's own loss and gradient norm (StepEvent's
+    rank_losses, rank_grad_norms): a non-finite own value; failing that, an own gradient norm OUTLIER times
+    the median of the others' or more. Empty when the steps carry no per-rank values, or nothing stands out."""
+    out: set[int] = set()
+    for losses, norms in steps:
+        if not losses or not norms:
+            continue
+        broken = [r for r, (loss, norm) in enumerate(zip(losses, norms))
+                  if not (math.isfinite(loss) and math.isfinite(norm))]
+        if broken:
+            out.update(broken)
+            continue
+        for r, norm in enumerate(norms):
+            others = [x for i, x in enumerate(norms) if i != r]
+            if others and norm >= OUTLIER * max(statistics.median(others), 1e-12):
+                out.add(r)
+    return sorted(out)
 
 
 def observed_values(ev: StepEvent) -> list:
@@ -51,6 +75,7 @@ class RerunCheck:
         self.first, self.last = int(rerun["first_step"]), int(rerun["last_step"])
         self.checkpoint_step = int(rerun["checkpoint_step"])
         self.observed = {int(k): list(v) for k, v in (rerun.get("observed") or {}).items()}
+        self.suspects = list(rerun.get("suspects") or ())     # the ranks the first run's steps pointed at
         self.rtol = rtol
         self.compared: list[dict[str, Any]] = []
         self.verdict: str | None = None
@@ -74,5 +99,6 @@ class RerunCheck:
 
     def evidence(self, generation: int) -> dict[str, Any]:
         return {"verdict": self.verdict, "kind": self.kind, "first_step": self.first, "last_step": self.last,
+                "suspects": self.suspects,
                 "rerun_generation": generation, "checkpoint_step": self.checkpoint_step, "rtol": self.rtol,
                 "compared": self.compared}

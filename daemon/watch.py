@@ -29,7 +29,7 @@ from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
 from daemon.replicas import ReplicaCheck
 from daemon.straggler import StragglerDetector
-from daemon.triage import RERUN_KINDS, RerunCheck, observed_values
+from daemon.triage import RERUN_KINDS, RerunCheck, observed_values, suspects
 
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
 PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often
@@ -260,6 +260,7 @@ class Watch:
         self._drills += [dict(d) for d in (rerun or {}).get("drills") or ()]
         self._held: Incident | None = None           # the rerun's own detection of its incident, for its verdict
         self._recent: dict[int, list] = {}           # step -> observed_values of the watched rank
+        self._per_rank: dict[int, tuple] = {}        # step -> (rank_losses, rank_grad_norms) of the watched rank
         self._status_at = self._logged_at = -1e18
         self._effects: list[Effect] = []
         if stop_reason:
@@ -353,10 +354,12 @@ class Watch:
         self._status_at = now if notify else self._status_at
         self._logged_at = now if log else self._logged_at
         self._do(Progress(ev, log=log, notify=notify, compiled=compiled))
-        self._recent.pop(ev.step, None)
-        self._recent[ev.step] = observed_values(ev)
-        if len(self._recent) > OBSERVED_KEPT:
-            del self._recent[next(iter(self._recent))]
+        per_rank = (ev.rank_losses, ev.rank_grad_norms)
+        for kept, value in ((self._recent, observed_values(ev)), (self._per_rank, per_rank)):
+            kept.pop(ev.step, None)
+            kept[ev.step] = value
+            if len(kept) > OBSERVED_KEPT:
+                del kept[next(iter(kept))]
         if self._incident is None:
             found = self.monitor.observe(ev)
             if self.rerun is not None and self.rerun.verdict is None:
@@ -393,9 +396,11 @@ class Watch:
                 continue
             if incident.kind in RERUN_KINDS:
                 # what a rerun of its steps is compared with (daemon.triage)
-                observed = {str(s): self._recent[s] for s in range(incident.first_step, incident.last_step + 1)
-                            if s in self._recent}
-                incident = dataclasses.replace(incident, evidence={**incident.evidence, "observed": observed})
+                span = range(incident.first_step, incident.last_step + 1)
+                observed = {str(s): self._recent[s] for s in span if s in self._recent}
+                pointed = suspects([self._per_rank[s] for s in span if s in self._per_rank])
+                incident = dataclasses.replace(incident, evidence={**incident.evidence, "observed": observed,
+                                                                   "suspects": pointed})
             self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": step,
                                                          "first_step": incident.first_step,
                                                          "evidence": dict(incident.evidence)}))

@@ -141,7 +141,8 @@ class Trainer:
                          loss=result.loss, grad_norm=result.grad_norm, loss_scale=result.loss_scale, lr=lr,
                          lr_multiplier=multiplier, skipped=result.skipped, sample_start=sample_start,
                          sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
-                         tokens_per_s=tokens / step_s, host_s=host_s, sync_s=result.sync_s)
+                         tokens_per_s=tokens / step_s, host_s=host_s, sync_s=result.sync_s,
+                         rank_losses=result.rank_losses, rank_grad_norms=result.rank_grad_norms)
 
     def apply_recovery(self, recovery: RecoveryDirective, restored_step: int) -> int:
         """The policy's directive after a rollback (see contracts.protocol.RecoveryDirective); returns the step

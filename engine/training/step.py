@@ -37,13 +37,15 @@ from engine.rank import runtime
 from engine.training.local_reduce import SHM_DIR, LocalAllReduce
 from engine.training.step_state import StepResult, StepState
 
+PER_RANK_MAX = 64          # ranks whose own loss and gradient norm every step reports (beyond: none)
+
 
 class TrainStep(StepState):
     """DATA_PARALLEL (and one rank): every rank holds the whole model; the step reduces gradients itself.
     Semi-auto parallel layouts use engine.training.sharded_step instead (the decided Parallelism says which)."""
 
     def __init__(self, net: CausalLM, cfg: Config, *, reduction: Reduction,
-                 local_reduce: Callable[[int], LocalAllReduce] | None = None):
+                 local_reduce: Callable[[int], LocalAllReduce] | None = None, rank: int = 0, world: int = 1):
         """local_reduce: given the buffer's size, the shared-memory sum to use instead of MindSpore's
         AllReduce (engine.training.local_reduce; every rank on this machine)."""
         super().__init__(net, cfg)
@@ -53,6 +55,11 @@ class TrainStep(StepState):
         self.dp = reduction.divide_by
         # a local group (no MindSpore cluster: engine/rank/runtime.py) has no AllReduce to make
         self.all_reduce = ops.AllReduce() if reduction.hand_all_reduce and local_reduce is None else None
+        # Each rank's own loss and gradient sum of squares ride the same sum in slots of their own (a rank
+        # writes its slot, the others 0): every rank learns every rank's, and the daemon can tell which rank
+        # a fault came from (daemon.triage). Up to PER_RANK_MAX ranks.
+        self.world = world if reduction.hand_all_reduce and 1 < world <= PER_RANK_MAX else 0
+        self.rank_mask = Tensor(np.arange(self.world) == rank) if self.world else None
         # Control flags ride along with the step's own collectives: every rank learns,
         # after the same step, what any rank asked for (a stop signal, a command).
         # Summed, because CPU AllReduce does only sums: a flag set anywhere sums to > 0.
@@ -96,21 +103,34 @@ class TrainStep(StepState):
         """Every gradient flattened into one fp32 buffer, the way DDP buckets them. Under data
         parallel the loss and the control flags ride at its end and the buffer is summed over the
         ranks in one all-reduce (one collective per step, not one per parameter).
-        Returns (flat gradients summed over ranks, loss summed over ranks, control summed)."""
+        Returns (flat gradients summed over ranks, loss summed over ranks, control summed, per-rank slots)."""
         if self.all_reduce is None:
-            return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads]), loss, control
+            return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads]), loss, control, self._no_slots()
         return self._split(self.all_reduce(self._buffer(grads, loss, control)))
 
     def _buffer(self, grads, loss, control):
-        """What a rank contributes to the sum: its gradients, loss and control flags in one fp32 vector
-        (CPU AllReduce takes floats only; the flags are small integers, exact in float32 below 2**24)."""
-        return ops.concat([g.astype(ms.float32).reshape(-1) for g in grads] +
-                          [loss.astype(ms.float32).reshape(1), control.astype(ms.float32)])
+        """What a rank contributes to the sum: its gradients, loss, per-rank slots and control flags in one
+        fp32 vector (CPU AllReduce takes floats only; the flags are small integers, exact in float32 below
+        2**24). The slots: this rank's loss and its gradients' sum of squares (still scaled) where the mask
+        says, 0 elsewhere — chosen, not multiplied, so that a non-finite value stays in its own slot."""
+        flat = ops.concat([g.astype(ms.float32).reshape(-1) for g in grads])
+        loss = loss.astype(ms.float32).reshape(1)
+        if not self.world:
+            return ops.concat([flat, loss, control.astype(ms.float32)])
+        zeros = ops.zeros((self.world,), ms.float32)
+        mine = ops.concat([ops.select(self.rank_mask, ops.broadcast_to(loss, (self.world,)), zeros),
+                           ops.select(self.rank_mask, ops.broadcast_to(ops.reduce_sum(ops.square(flat)).reshape(1),
+                                                                       (self.world,)), zeros)])
+        return ops.concat([flat, loss, mine, control.astype(ms.float32)])
 
     def _split(self, summed):
-        """A summed buffer → (flat gradients, loss, control flags)."""
-        n = self.grad_size
-        return summed[:n], summed[n], summed[n + 1:].astype(ms.int32)
+        """A summed buffer → (flat gradients, loss, control flags, per-rank slots: losses then sums of squares)."""
+        n, w = self.grad_size, 2 * self.world
+        slots = summed[n + 1:n + 1 + w] if w else self._no_slots()
+        return summed[:n], summed[n], summed[n + 1 + w:].astype(ms.int32), slots
+
+    def _no_slots(self):
+        return ops.zeros((2,), ms.float32)
 
     def _apply(self, grads, loss, lr, control):
         """grads: summed over this rank's micro-batches, still scaled; loss: summed likewise.
@@ -122,11 +142,11 @@ class TrainStep(StepState):
         kernels all of that but the update is one kernel (fused_cpu.GradClipper), and one rank
         builds no buffer at all."""
         if self.clipper is not None and self.all_reduce is None:
-            return self._apply_parts(grads, loss, lr, control)          # no buffer to build
-        flat, loss, agreed = self._flatten_and_reduce(grads, loss, control)
-        return self._apply_parts([flat], loss, lr, agreed)
+            return self._apply_parts(grads, loss, lr, control, self._no_slots())     # no buffer to build
+        flat, loss, agreed, slots = self._flatten_and_reduce(grads, loss, control)
+        return self._apply_parts([flat], loss, lr, agreed, slots)
 
-    def _apply_parts(self, parts, loss, lr, agreed):
+    def _apply_parts(self, parts, loss, lr, agreed, slots):
         """parts: every gradient, summed over ranks and micro-batches, still scaled, as one flat buffer
         (or, with the fused kernels, one tensor a parameter); loss likewise."""
         inv_scale = 1.0 / (self.scaler.scale * self.accum_steps * self.dp)
@@ -137,7 +157,7 @@ class TrainStep(StepState):
         finite = ops.isfinite(grad_norm)
         done, scale_used = self._update(grads, finite, lr)
         loss = loss / (self.accum_steps * self.dp)
-        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed
+        return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite), agreed, slots
 
     def _clip_flat(self, flat):
         """An unscaled flat buffer → (its pieces, clipped, in the parameters' shapes; its norm)."""
@@ -160,8 +180,8 @@ class TrainStep(StepState):
         return ops.depend(out, self._zero_buffers())
 
     def _apply_summed_step(self, summed, lr):
-        flat, loss, agreed = self._split(summed)
-        return self._apply_parts([flat], loss, lr, agreed)
+        flat, loss, agreed, slots = self._split(summed)
+        return self._apply_parts([flat], loss, lr, agreed, slots)
 
     def _zero_buffers(self):
         done = ops.assign(self.loss_buffer, ops.zeros_like(self.loss_buffer))
@@ -184,7 +204,7 @@ class TrainStep(StepState):
         grads = [buf * 1.0 for buf in self.grad_buffers]
         loss = self.loss_buffer * 1.0
         out = self._apply(grads, loss, lr, control)
-        return ops.depend(out[0], self._zero_buffers()), out[1], out[2], out[3], out[4]
+        return ops.depend(out[0], self._zero_buffers()), out[1], out[2], out[3], out[4], out[5]
 
     # Python entry point ----------------------------------------------------
     def run(self, micro_batches: np.ndarray, lr: float, *, poison: float = 1.0,
@@ -207,10 +227,16 @@ class TrainStep(StepState):
                 self._accumulate(Tensor(micro), poison_t)
             synced = time.perf_counter()
             out = self._finish(lr_t, control_t)
-        loss, grad_norm, scale, skipped, agreed = (x.asnumpy() for x in out)
+        loss, grad_norm, scale, skipped, agreed, slots = (x.asnumpy() for x in out)
+        rank_losses = rank_grad_norms = None
+        if self.world:
+            # the slots hold sums over this rank's micro-batches, scaled by the loss scale (and a drill's poison)
+            rank_losses = [float(v) / self.accum_steps for v in slots[:self.world]]
+            rank_grad_norms = [float(np.sqrt(v)) / (float(scale) * self.accum_steps) for v in slots[self.world:]]
         return StepResult(loss=float(loss), grad_norm=float(grad_norm), loss_scale=float(scale),
                           skipped=bool(skipped), control=tuple(int(v) for v in agreed),
-                          sync_s=time.perf_counter() - synced)
+                          sync_s=time.perf_counter() - synced, rank_losses=rank_losses,
+                          rank_grad_norms=rank_grad_norms)
 
     def _run_local(self, micro_batches, lr_t, poison_t, control_t) -> list:
         """The step with the shared-memory sum between the backward and the update graphs;
@@ -262,7 +288,7 @@ def build_step(net: CausalLM, cfg: Config, parallelism: parallel.Parallelism, *,
             and local_world == world and env.get("MS_SCHED_PORT")):     # under msrun: MindSpore's cluster
         prefix = SHM_DIR / f"llm-pretrain-reduce-{os.getuid()}-{env.get('MS_SCHED_HOST', '')}-{env['MS_SCHED_PORT']}"
         local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=prefix, barrier=_cluster_barrier)
-    return TrainStep(net, cfg, reduction=parallelism.reduction, local_reduce=local)
+    return TrainStep(net, cfg, reduction=parallelism.reduction, local_reduce=local, rank=rank, world=world)
 
 
 _barrier_fn = None

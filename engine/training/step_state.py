@@ -24,6 +24,8 @@ class StepResult:
     skipped: bool        # update not applied (non-finite gradients)
     control: tuple[int, ...] = ()   # the control vector, summed over ranks (see engine.rank.trainer.train)
     sync_s: float = 0.0  # seconds in the graph holding the collectives (fused step, or the finishing update)
+    rank_losses: list[float] | None = None      # data parallel: each rank's own loss (its share's mean) ...
+    rank_grad_norms: list[float] | None = None  # ... and its own gradients' norm, unscaled, before the sum
 
 
 class StepState(nn.Cell):

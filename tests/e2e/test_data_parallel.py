@@ -26,6 +26,10 @@ def test_two_ranks_stay_identical_and_match_one_process(cli, quiet_env, tmp_path
         assert (a["loss"], a["grad_norm"], a["sample_start"], a["sample_end"]) == \
                (b["loss"], b["grad_norm"], b["sample_start"], b["sample_end"])
         assert (a["rank"], b["rank"]) == (0, 1)
+        # each rank's own loss and gradient norm, learnt by both through the same sum: their mean is the loss
+        assert a["rank_losses"] == b["rank_losses"] and a["rank_grad_norms"] == b["rank_grad_norms"]
+        assert len(a["rank_losses"]) == 2 and sum(a["rank_losses"]) / 2 == pytest.approx(a["loss"], rel=1e-6)
+        assert all(0 < g < float("inf") for g in a["rank_grad_norms"]) and a["rank_losses"][0] != a["rank_losses"][1]
     end0, end1 = r0[-1], r1[-1]
     assert end0["kind"] == end1["kind"] == "exit"
     assert end0["params_sha256"] == end1["params_sha256"], "ranks ended with different parameters"
@@ -57,4 +61,7 @@ def test_the_shared_memory_sum_trains_exactly_as_mindspores_all_reduce(cli, quie
     for rank in range(2):
         shm, ms_ = ([(e["loss"], e["grad_norm"]) for e in runs[k][rank] if e["kind"] == "step"] for k in (True, False))
         assert len(shm) == 8 and shm == ms_
+        slots = [[(e["rank_losses"], e["rank_grad_norms"]) for e in runs[k][rank] if e["kind"] == "step"]
+                 for k in (True, False)]
+        assert slots[0] == slots[1] and len(slots[0][0][0]) == 2
         assert runs[True][rank][-1]["params_sha256"] == runs[False][rank][-1]["params_sha256"]

@@ -44,13 +44,15 @@ def _steps(run: Path, generation: int | None = None) -> dict[int, dict]:
     return out
 
 
-def _check_recorded(run, events, kind, action="rollback"):
-    """The incident and its action (the first of that type) are in state.json and in the event log."""
+def _check_recorded(run, events, kind, action=None):
+    """The incident and its action (the first, or the first of type `action`) are in state.json and in the
+    event log."""
     state = RunState.load(run)
     acted = [r.to_dict() for r in state.incidents if r.kind == kind and r.action]     # as JSON, like the log
-    acted = [r for r in acted if r["action"]["type"] == action]
-    assert acted, f"no {kind} incident with a {action} in state.json"
-    logged = [e for e in _named(events, "incident") if e["kind"] == kind and e["action"]["type"] == action]
+    acted = [r for r in acted if action is None or r["action"]["type"] == action]
+    assert acted, f"no {kind} incident with {action or 'an action'} in state.json"
+    logged = [e for e in _named(events, "incident") if e["kind"] == kind and e["action"]
+              and (action is None or e["action"]["type"] == action)]
     assert logged and logged[0]["action"] == acted[0]["action"]
     assert state.status == "finished"
     return acted[0]
@@ -85,7 +87,7 @@ def test_a_poisoned_window_is_rerun_found_in_the_data_rolled_back_skipped_and_th
     # the rerun read the bad window again and repeated the first run's steps bit for bit: the data
     assert triage["verdict"] == "deterministic" and triage["compared"]
     assert all(c["first_run"] == c["rerun"] for c in triage["compared"]), triage["compared"]
-    incident = _check_recorded(run, events, "loss_spike")
+    incident = _check_recorded(run, events, "loss_spike", "rollback")
     action = incident["action"]
     assert incident["first_step"] == 200 and action["type"] == "rollback" and action["checkpoint_step"] < 190
     assert rerun["first_step"] == 200 and incident["evidence"]["triage"]["verdict"] == "deterministic"
@@ -127,6 +129,9 @@ def test_a_flipped_bit_is_rerun_found_transient_and_the_run_ends_as_an_uninterru
     assert rerun["first_step"] == 70 and start in (64, 68)
     [triage] = _named(events, "triage")
     assert triage["verdict"] == "transient" and triage["compared"][0]["step"] == 70
+    # rank 1's own gradients were the non-finite ones: the fault is counted against it
+    assert rerun["evidence"]["suspects"] == triage["suspects"] == [1]
+    assert RunState.load(run).transient_by_rank == {"1": 1}
     assert triage["compared"][0]["first_run"][2] is True and triage["compared"][0]["rerun"][2] is False
     assert not _named(events, "rollback") or all(not e.get("skip") for e in _named(events, "rollback"))
     gen1, gen2 = _steps(run, 1), _steps(run, 2)

@@ -36,6 +36,16 @@ def test_step_event_round_trips_as_strict_json(loss):
     assert back.skipped and math.isnan(back.grad_norm) and back.sample_end == 24
 
 
+def test_per_rank_values_round_trip_with_their_non_finite_ones():
+    event = _step(loss=2.5, grad_norm=float("inf"), skipped=True, rank_losses=[2.4, 2.6],
+                  rank_grad_norms=[1.5, float("inf")])
+    text = event.to_json()
+    json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    back = decode_event(text)
+    assert back.rank_losses == [2.4, 2.6] and back.rank_grad_norms == [1.5, float("inf")]
+    assert decode_event(_step(loss=1.0).to_json()).rank_losses is None        # one rank, or tp/pp: none
+
+
 def test_exit_event_round_trips():
     e = ExitEvent(rank=0, generation=0, step=10, reason="finished", params_sha256="ab")
     assert decode_event(e.to_json()) == e

@@ -58,3 +58,14 @@ def test_two_replicas_that_differ_are_both_named_and_a_lone_rank_is_never_compar
     assert incident.rank is None and incident.evidence["odd_ranks"] == [0, 1] and incident.evidence["tie"]
     assert incident.first_step == 11 and "cannot be told" in incident.detail
     assert ReplicaCheck([0]).observe(_fp(0, 20, [1])) is None
+
+
+def test_the_ranks_an_incident_points_at():
+    from daemon.triage import suspects
+
+    nan, inf = float("nan"), float("inf")
+    assert suspects([([2.0, 2.1], [1.0, inf])]) == [1]                   # a non-finite own gradient
+    assert suspects([([2.0, nan], [1.0, 1.0]), ([2.0, 2.0], [1.0, 1.0])]) == [1]
+    assert suspects([([2.0, 2.0, 2.0], [1.0, 1.1, 30.0])]) == [2]          # 10x the others' median
+    assert suspects([([2.0, 2.0, 2.0], [1.0, 1.1, 5.0])]) == []            # nothing stands out
+    assert suspects([(None, None), ([], [])]) == []                        # no per-rank values (one rank, tp/pp)
