@@ -314,11 +314,14 @@ def test_a_partitioned_decider_stops_its_ranks_and_commits_nothing_the_others_go
     cut = named(0, "cut_off")[0]
     cut_ts = datetime.datetime.fromisoformat(cut["ts"].replace("Z", "+00:00")).timestamp()
     print(f"link cut -> host 0 stopped its ranks: {cut_ts - cut_at:.1f} s")
-    # nothing committed on host 0's side of the cut generation after the cut, and no step committed in
-    # two generations
+    # nothing new committed on host 0's side of the cut generation after the cut: a save in flight when the
+    # link went (of a step every host had trained) may still land — at most one, and of no step the others
+    # lack — and no step is committed in two generations
     ts = lambda e: datetime.datetime.fromisoformat(e["ts"].replace("Z", "+00:00")).timestamp()
-    assert not [e for e in named(0, "checkpoint_committed") if e["generation"] == cut["generation"]
-                and ts(e) > cut_at], named(0, "checkpoint_committed")
+    late = [e for e in named(0, "checkpoint_committed") if e["generation"] == cut["generation"] and ts(e) > cut_at]
+    trained = max(e["step"] for e in _steps(run / "logs" / "node-1" / "rank-1.log")
+                  if e["generation"] == cut["generation"])
+    assert len(late) <= 1 and all(e["step"] <= trained for e in late), (late, trained)
     committed_in: dict[int, set[int]] = {}
     for i in range(3):
         for e in named(i, "checkpoint_committed"):
