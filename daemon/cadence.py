@@ -49,10 +49,6 @@ class Cadence:
         self.step_s: deque[float] = deque(maxlen=200)
         self._open: dict[tuple[str, int], float] = {}     # (tier, step) being written -> its cost so far
 
-    @property
-    def active(self) -> bool:
-        return any(self.auto.values())
-
     def to_dict(self) -> dict[str, Any]:
         """What state.json keeps across daemons."""
         return {"trained_s": round(self.trained_s, 3), **{TIERS[t]: self.interval[t] for t in TIERS if self.auto[t]},

@@ -20,6 +20,7 @@ from typing import Any
 
 from contracts.protocol import EvalEvent, RecoveryDirective, StepEvent
 from daemon import state_rebuild
+from daemon.cadence import Cadence
 from daemon.control import Request
 from daemon.eventlog import EventLog
 from daemon.incidents import Incident, IncidentRecord, Kind
@@ -152,12 +153,10 @@ class Ledger:
         self.save()
         self.emit(event, level=level, **record.log_fields())
 
-    def cadence_for(self, ck):
+    def cadence_for(self, ck) -> Cadence | None:
         """The run's checkpoint cadence when an interval is "auto" (daemon.cadence), kept across generations
         and, through state.json, daemons."""
         if self._cadence is None and "auto" in (ck.interval_steps, ck.memory_interval_steps):
-            from daemon.cadence import Cadence
-
             self._cadence = Cadence(ck, self.state.cadence)
         return self._cadence
 

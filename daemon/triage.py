@@ -20,12 +20,8 @@ import statistics
 from typing import Any, Mapping, Sequence
 
 from contracts.protocol import StepEvent
-from daemon.incidents import Kind
 
 VERDICTS = ("transient", "deterministic")
-RERUN_KINDS = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)   # what a rerun may judge
-
-
 OUTLIER = 10.0     # an own gradient norm this many times the others' median marks its rank
 
 

@@ -29,7 +29,8 @@ from daemon.health import HealthMonitor
 from daemon.incidents import Incident, Kind
 from daemon.replicas import ReplicaCheck
 from daemon.straggler import StragglerDetector
-from daemon.triage import RERUN_KINDS, RerunCheck, observed_values, suspects
+from daemon.policy import NUMERIC
+from daemon.triage import RerunCheck, observed_values, suspects
 
 STATUS_EVERY_S = 2.0        # sd_notify STATUS= at most this often
 PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progress) at most this often
@@ -259,8 +260,7 @@ class Watch:
         self.rerun = RerunCheck(rerun, cfg.health.rerun_rtol) if rerun else None
         self._drills += [dict(d) for d in (rerun or {}).get("drills") or ()]
         self._held: Incident | None = None           # the rerun's own detection of its incident, for its verdict
-        self._recent: dict[int, list] = {}           # step -> observed_values of the watched rank
-        self._per_rank: dict[int, tuple] = {}        # step -> (rank_losses, rank_grad_norms) of the watched rank
+        self._recent: dict[int, StepEvent] = {}      # the watched rank's recent steps (what a rerun compares)
         self._status_at = self._logged_at = -1e18
         self._effects: list[Effect] = []
         if stop_reason:
@@ -354,12 +354,10 @@ class Watch:
         self._status_at = now if notify else self._status_at
         self._logged_at = now if log else self._logged_at
         self._do(Progress(ev, log=log, notify=notify, compiled=compiled))
-        per_rank = (ev.rank_losses, ev.rank_grad_norms)
-        for kept, value in ((self._recent, observed_values(ev)), (self._per_rank, per_rank)):
-            kept.pop(ev.step, None)
-            kept[ev.step] = value
-            if len(kept) > OBSERVED_KEPT:
-                del kept[next(iter(kept))]
+        self._recent.pop(ev.step, None)          # a replayed step moves to the end: the first key is the oldest
+        self._recent[ev.step] = ev
+        if len(self._recent) > OBSERVED_KEPT:
+            del self._recent[next(iter(self._recent))]
         if self._incident is None:
             found = self.monitor.observe(ev)
             if self.rerun is not None and self.rerun.verdict is None:
@@ -368,9 +366,8 @@ class Watch:
 
     def _triage(self, ev: StepEvent, found: list[Incident]) -> list[Incident]:
         """While a rerun's steps run, its verdict decides: the incidents within its steps are held (one before
-        them is a new incident, decided as any);
-        `deterministic` brings the incident back (with the verdict as its `triage` evidence) for the
-        policy to decide on, `transient` lets training go on."""
+        them is a new incident, decided as any); `deterministic` brings the incident back (with the verdict
+        as its `triage` evidence) for the policy to decide on, `transient` lets training go on."""
         check = self.rerun
         held = [i for i in found if i.needs_action and i.last_step >= check.first and i.first_step <= check.last]
         found = [i for i in found if i not in held]
@@ -394,13 +391,13 @@ class Watch:
             if not incident.needs_action:
                 self._do(Warned(self._labelled(incident)))
                 continue
-            if incident.kind in RERUN_KINDS:
-                # what a rerun of its steps is compared with (daemon.triage)
+            if incident.kind in NUMERIC:
+                # what a rerun of its steps is compared with, and the ranks they point at (daemon.triage)
                 span = range(incident.first_step, incident.last_step + 1)
-                observed = {str(s): self._recent[s] for s in span if s in self._recent}
-                pointed = suspects([self._per_rank[s] for s in span if s in self._per_rank])
-                incident = dataclasses.replace(incident, evidence={**incident.evidence, "observed": observed,
-                                                                   "suspects": pointed})
+                seen = [self._recent[s] for s in span if s in self._recent]
+                incident = dataclasses.replace(incident, evidence={
+                    **incident.evidence, "observed": {str(e.step): observed_values(e) for e in seen},
+                    "suspects": suspects([(e.rank_losses, e.rank_grad_norms) for e in seen])})
             self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": step,
                                                          "first_step": incident.first_step,
                                                          "evidence": dict(incident.evidence)}))
