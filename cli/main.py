@@ -113,7 +113,8 @@ def _add_operations(sub) -> None:
                                            "health.allow_fault_injection = true)")
     inject.add_argument("fault", choices=FAULTS, help="nan: non-finite gradients once; spike: a window of random-token "
                         "batches (bad data: a rerun reads it again); bitflip: one exponent bit flipped once, the rank's "
-                        "gradients overflow (a transient device fault); corrupt-weight: one bit of one weight, "
+                        "gradients overflow (a transient device fault); faulty-rank: the rank's device multiplies its "
+                        "gradients by 32 every step from then on (a device fault); corrupt-weight: one bit of one weight, "
                         "silently (the replica fingerprints catch it); hang; crash (SIGKILL); slow: sleep before each "
                         "step; oom: exceed the memory limit")
     inject.add_argument("run", metavar="RUN", help="a run directory, or a run name")

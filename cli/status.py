@@ -153,6 +153,10 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
             "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
             "checkpoint_intervals": {k: v for k, v in state.cadence.items() if k.endswith("interval_steps")} or None,
             "triage": dict(state.triage), "transient_by_rank": dict(state.transient_by_rank),
+            "lemons": {k: {"faults": len(e.get("faults") or ()), "quarantines": e.get("quarantines", 0),
+                           "quarantined_for_s": max(0.0, round(e["quarantined_until_unix_s"] - now, 1))
+                           if e.get("quarantined_until_unix_s") else 0.0, "reason": e.get("reason")}
+                       for k, e in state.lemons.items()} or None,
             "rerun_pending": None if not state.rerun else {
                 k: state.rerun[k] for k in ("kind", "first_step", "last_step", "checkpoint_step")},
             "config_changes": state.config_changes or None,
@@ -212,6 +216,10 @@ def render(s: dict[str, Any]) -> str:
         rows.append(("reruns", verdicts + (f"; rerunning {pending['kind']} steps {pending['first_step']}-"
                                            f"{pending['last_step']} from step {pending['checkpoint_step']}"
                                            if pending else "")))
+    for name, lemon in sorted((s.get("lemons") or {}).items()):
+        held = lemon["quarantined_for_s"]
+        rows.append((name, f"{lemon['faults']} fault(s), quarantined {lemon['quarantines']}x" +
+                     (f"; left out for {_duration(held)} more ({lemon['reason']})" if held > 0 else "; in the run")))
     req = s["last_request"]
     if req:
         rows.append(("last request", f"{req['name']} ({_duration(req['age_s'])} ago)" +

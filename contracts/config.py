@@ -257,6 +257,13 @@ class HealthConfig:
                                          # few integers and the daemon compares them: one that differs was
                                          # corrupted silently -> roll back to the newest checkpoint all agreed at
                                          # (0: off)
+    rank_outlier_steps: int = 3          # data parallel: one rank's own gradient norm 10x the others' median this
+                                         # many steps in a row is an incident (a device adding to its gradients, or
+                                         # data only its share holds), triaged as the numerical ones (0: off)
+    quarantine_probation_s: float = 3600.0  # a device (one machine) or machine (several) judged faulty is left out
+                                         # of the generations for this long, then taken back on probation
+    transient_faults_to_quarantine: int = 3  # this many transient faults pointing at one device (or machine) within
+    transient_fault_window_s: float = 86400.0  # ... this window quarantine it (0: never)
     rerun_rtol: float = 0.0              # reproduced: each rerun step's loss and grad norm within this relative
                                          # tolerance of the first run's (0: bit for bit; CPU and Ascend's deterministic
                                          # mode repeat a step exactly, other devices need a tolerance)
@@ -290,7 +297,8 @@ class HealthConfig:
     hang_compile_timeout_s: float = 900.0  # for the first step (graph compilation)
     hang_checkpoint_timeout_s: float = 600.0  # for the final save's commit
     max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint: exit 3
-    straggler_action: str = "warn"       # a rank the others wait for: "warn", or "restart" the generation when
+    straggler_action: str = "warn"       # a rank the others wait for: "warn", "restart" the generation, or "exclude"
+                                         # its device (several machines: its machine) as a faulty one, when
     straggler_restart_after_s: float = 300.0  # ... it stays slow this long (on a cluster: its node excluded)
     straggler_window_steps: int = 20     # steps whose median lag per rank is judged
     straggler_min_lag_s: float = 0.05    # a straggler's median lag is at least this ...
@@ -326,7 +334,11 @@ class HealthConfig:
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1.0, open_low=True)
         _in_range("health.lr_floor_factor", self.lr_floor_factor, 0.0, 1.0, open_low=True)
         _in_range("health.max_quarantined_fraction", self.max_quarantined_fraction, 0.0, 1.0)
-        _choice("health.straggler_action", self.straggler_action, ("warn", "restart"))
+        _choice("health.straggler_action", self.straggler_action, ("warn", "restart", "exclude"))
+        _at_least("health.rank_outlier_steps", self.rank_outlier_steps, 0)
+        _at_least("health.transient_faults_to_quarantine", self.transient_faults_to_quarantine, 0)
+        _in_range("health.quarantine_probation_s", self.quarantine_probation_s, 0.0, 1e9)
+        _in_range("health.transient_fault_window_s", self.transient_fault_window_s, 0.0, 1e9)
         _at_least("health.straggler_window_steps", self.straggler_window_steps, 2)
         _in_range("health.straggler_restart_after_s", self.straggler_restart_after_s, 0.0, 1e7)
         _in_range("health.straggler_min_lag_s", self.straggler_min_lag_s, 0.0, 1e4)
@@ -418,9 +430,13 @@ class RunConfig:
     log_max_bytes: int = 67108864  # events.jsonl rotates past this size (0: never) ...
     log_backups: int = 5           # ... keeping this many old files (events.jsonl.1 is the newest)
     worker_memory_limit_bytes: int = 0  # > 0: each rank in its own memory cgroup with this limit (OOM is then told apart)
+    devices: str = ""              # this machine's devices for its ranks, comma-separated ids in rank order ("" = the
+                                   # visible-devices variable's, else 0..ranks-1); a device judged faulty is left out
 
     def __post_init__(self) -> None:
         _at_least("run.nodes", self.nodes, 1)
+        if self.devices:
+            device_ids(self.devices)
         _in_range("run.node_rank", self.node_rank, 0, self.nodes - 1)
         _in_range("run.master_port", self.master_port, 0, 65535)
         _in_range("run.coordinator_timeout_s", self.coordinator_timeout_s, 0.0, 1e6, open_low=True)
@@ -494,6 +510,17 @@ class RunConfig:
         return base if self.nodes == 1 else base / f"node-{self.node_rank}"     # a shared run dir: one per node
 
 
+def device_ids(text: str) -> tuple[int, ...]:
+    """run.devices as ids; a one-line ConfigError when it is not distinct non-negative integers."""
+    try:
+        ids = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        ids = ()
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        _fail(f"run.devices = {text!r} must be distinct device ids, comma-separated (\"0,1,2,3\"), or \"\" for all")
+    return ids
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig = ModelConfig()
@@ -557,6 +584,9 @@ def _check_cross_section(cfg: Config) -> None:
         _fail(f"train.recompute_num_layers = {t.recompute_num_layers} exceeds model.num_layers = {m.num_layers}")
     if p.world_size % cfg.run.nodes:
         _fail(f"parallel.dp x tp x pp = {p.world_size} ranks do not divide over run.nodes = {cfg.run.nodes}")
+    if cfg.run.devices and len(device_ids(cfg.run.devices)) != p.world_size // cfg.run.nodes:
+        _fail(f"run.devices = {cfg.run.devices!r} names {len(device_ids(cfg.run.devices))} device(s) for the "
+              f"{p.world_size // cfg.run.nodes} ranks of each machine (dp x tp x pp / run.nodes): one per rank")
     if cfg.run.quorum < cfg.run.nodes:
         _check_elastic(cfg)
     if cfg.run.nodes > 1 and cfg.run.master_port == 0:

@@ -277,10 +277,13 @@ class RerunDirective:
     last_step: int
     checkpoint_step: int
     drills: tuple[dict[str, Any], ...] = ()
+    rotate: int = 0                  # > 0 (data parallel): in steps first..last rank r trains on the share
+                                     # of rank (r + rotate) % dp — does the fault follow the data or the rank?
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "first_step": self.first_step, "last_step": self.last_step,
-                "checkpoint_step": self.checkpoint_step, "drills": [dict(d) for d in self.drills]}
+                "checkpoint_step": self.checkpoint_step, "drills": [dict(d) for d in self.drills],
+                "rotate": self.rotate}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -288,7 +291,8 @@ class RerunDirective:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RerunDirective":
         return cls(kind=str(d["kind"]), first_step=int(d["first_step"]), last_step=int(d["last_step"]),
-                   checkpoint_step=int(d["checkpoint_step"]), drills=tuple(dict(x) for x in d.get("drills") or ()))
+                   checkpoint_step=int(d["checkpoint_step"]), drills=tuple(dict(x) for x in d.get("drills") or ()),
+                   rotate=int(d.get("rotate") or 0))
 
     @classmethod
     def from_json(cls, text: str) -> "RerunDirective":
@@ -305,6 +309,8 @@ ENV_COMMANDS = "LLM_PRETRAIN_COMMANDS"           # path of the commands file
 ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 first
 ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
 ENV_RERUN = "LLM_PRETRAIN_RERUN"                 # path of the rerun directive (JSON) of a generation that reruns
+ENV_NODE = "LLM_PRETRAIN_NODE"                   # the machine's own index (run.node_rank of its daemon)
+ENV_DEVICE = "LLM_PRETRAIN_DEVICE"               # the device this rank runs on (of run.devices; the drills' device)
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
 ENV_STANDBY_LATE = "LLM_PRETRAIN_STANDBY_LATE"   # "1": it forms its cluster once activated (several machines)
@@ -340,7 +346,7 @@ COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release", "inter
 # command (args: interval_steps and/or memory_interval_steps) moves it (daemon/cadence.py)
 AUTO_FIRST_STEPS = 50
 # Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
-FAULTS = ("nan", "spike", "bitflip", "corrupt-weight", "hang", "crash", "slow", "oom")
+FAULTS = ("nan", "spike", "bitflip", "faulty-rank", "corrupt-weight", "hang", "crash", "slow", "oom")
 
 
 def take_environment(env: dict[str, str], spawned: set[str]) -> None:
@@ -353,7 +359,7 @@ def take_environment(env: dict[str, str], spawned: set[str]) -> None:
             os.environ[name] = value
 
 
-DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "bitflip": 1, "corrupt-weight": 1, "slow": 100}
+DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "bitflip": 1, "faulty-rank": 1, "corrupt-weight": 1, "slow": 100}
 DATA_FAULTS = ("spike",)   # drills that are in the data: a rerun of their steps reads them again
 DEFAULT_DRILL_SECONDS = {"hang": 3600.0, "slow": 0.5}
 

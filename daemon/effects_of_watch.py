@@ -33,7 +33,7 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
         elif isinstance(e, watch.Warned):
             ledger.warn(e.incident)
         elif isinstance(e, watch.Triaged):
-            ledger.triaged(e.verdict, e.first_step, dict(e.evidence))
+            ledger.triaged(e.verdict, e.first_step, dict(e.evidence), cfg.health)
         elif isinstance(e, watch.CheckpointFailed):
             ledger.checkpoint_failed(e.step, e.detail)
         elif isinstance(e, watch.Committed):

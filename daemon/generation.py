@@ -350,13 +350,16 @@ class Generation:
 
 def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int) -> dict[str, str]:
     """A rank's environment: `base` plus, with more than one rank, MindSpore's dynamic cluster's."""
-    from contracts.protocol import ENV_GENERATION
+    from contracts.protocol import ENV_DEVICE, ENV_GENERATION
+    from daemon.quarantine import VISIBLE, machine_devices
 
     world = cfg.parallel.world_size
+    devices = machine_devices(cfg, base)          # this machine's, less any quarantined (daemon/quarantine.py)
+    placed = {**base, VISIBLE: ",".join(map(str, devices)), ENV_DEVICE: str(devices[rank % len(devices)])}
     if world == 1:
-        return {**base, ENV_GENERATION: str(generation)}
+        return {**placed, ENV_GENERATION: str(generation)}
     if mindspore_env.is_local_group(cfg):
-        return mindspore_env.local_group_env(base, rank=rank, world=world, port=port, generation=generation)
-    return mindspore_env.process_env(base, role=mindspore_env.WORKER, sched_host=cfg.run.master_addr, sched_port=port,
-                               worker_num=world, local_worker_num=world // cfg.run.nodes, node_id=rank,
-                               generation=generation)
+        return mindspore_env.local_group_env(placed, rank=rank, world=world, port=port, generation=generation)
+    return mindspore_env.process_env(placed, role=mindspore_env.WORKER, sched_host=cfg.run.master_addr,
+                                     sched_port=port, worker_num=world, local_worker_num=world // cfg.run.nodes,
+                                     node_id=rank, generation=generation)

@@ -17,7 +17,7 @@ from typing import Callable
 from contracts.config import EMBEDDED, Config, run_endpoints, with_changes
 from contracts.elastic import shape_on
 from contracts.protocol import ExitCode
-from daemon import watch
+from daemon import quarantine, watch
 from daemon.etcd_client import EtcdError
 from daemon.etcd_keys import NotLeaderError
 from daemon.incidents import Incident, Kind
@@ -35,6 +35,7 @@ class GenerationHandshake:
         self.coord = membership.coord
         self.members: tuple[int, ...] = ()
         self.led = 0                  # the last generation this daemon published as the decider
+        self._lemons: dict = {}       # the run state's lemon list (daemon.quarantine), as of the last open
 
     @property
     def is_leader(self) -> bool:
@@ -48,6 +49,7 @@ class GenerationHandshake:
         decided (its decider was lost): this daemon, deciding now, decides it first. None: a stop or
         the run's end came first. Raises PeersUnavailableError when the run cannot go on (too few
         nodes, etcd gone too long)."""
+        self._lemons = ledger.state.lemons
         while True:
             if self.is_leader:
                 if (undecided := self._undecided(ledger)) is not None:
@@ -62,6 +64,20 @@ class GenerationHandshake:
         members = self.m.wait_for(self.m.gathered, ledger, stopping, "waiting_for_nodes", self.m.missing)
         if members is None:
             return None
+        held = quarantine.excluded_nodes(ledger.state.lemons, time.time()) & set(members)
+        if self.coord.node in held:              # the decider's own machine: it runs the scheduler, it stays
+            held.discard(self.coord.node)
+            ledger.emit("quarantine_deferred", level="warning", node=self.coord.node,
+                        detail="this decider's own machine is quarantined; it stays in the run while it decides")
+        if held:                                 # machines judged faulty sit out their probation
+            members = tuple(m for m in members if m not in held)
+            if len(members) < self.cfg.run.quorum:
+                raise PeersUnavailableError(
+                    f"nodes {sorted(held)} are quarantined and the {len(members)} left are fewer than run.min_nodes "
+                    f"= {self.cfg.run.quorum}; replace them, or take them back by removing their entries from the "
+                    "lemon list (state.json `lemons`)", ExitCode.CONFIG_ERROR)
+            ledger.emit("nodes_quarantined", level="warning", members=list(members), left_out=sorted(held),
+                        detail=f"nodes {sorted(held)} are quarantined: left out of this generation")
         cfg = self._shaped(base, ledger.state.config_changes, members, self.coord.addr)
         if not self._confirmed(ledger):          # the shared files are the decider's to write
             return BecameLeader()
@@ -85,7 +101,8 @@ class GenerationHandshake:
                         detail=f"going on with {len(members)} of {self.cfg.run.nodes} nodes, the same global batch")
         elif before and len(before) < self.cfg.run.nodes:
             ledger.emit("nodes_rejoined", members=list(members), dp=cfg.parallel.dp)
-        return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members, scheduler=True)
+        return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members, scheduler=True,
+                      homes=quarantine.homes(cfg, (), members))
 
     def _confirmed(self, ledger: Ledger) -> bool:
         try:
@@ -114,6 +131,7 @@ class GenerationHandshake:
         self._set_generation(ledger, g["number"], members)
         cfg = self._shaped(base, ledger.state.config_changes, members, g.get("addr") or self.cfg.run.master_addr)
         return Opened(g["number"], int(g["port"]), int(g["resume_step"]), cfg, self._ranks(members), members,
+                      homes=quarantine.homes(cfg, (), members),
                       scheduler=False)
 
     def _shaped(self, base: Config, changes: dict, members: tuple[int, ...], scheduler_addr: str) -> Config:
@@ -156,7 +174,8 @@ class GenerationHandshake:
         if cause is not None:
             return _outcome(cause)
         live = self.m.live()
-        if self.is_leader and (back := sorted(set(live) - set(self.members))):
+        held = quarantine.excluded_nodes(self._lemons, time.time())      # still on probation: not back yet
+        if self.is_leader and (back := sorted(set(live) - set(self.members) - held)):
             return watch.Regroup(None, tuple(back))
         lost = sorted(set(self.members) - set(live))
         if lost and self.coord.unreachable_s(now) < self.coord.ttl_s:     # etcd's silence is not a node's loss

@@ -25,6 +25,7 @@ from typing import Any
 
 from contracts.protocol import StepEvent
 from daemon.incidents import Incident, Kind
+from daemon.triage import OUTLIER, outliers
 
 MAD_TO_SIGMA = 1.4826   # MAD × this estimates σ for normal noise
 
@@ -108,6 +109,7 @@ class HealthMonitor:
         self.stall_warned = False
         self.ignore_throughput = 0
         self.burst_warned_at = -(1 << 62)
+        self.outlier_run: list[tuple[int, tuple[int, ...]]] = []    # (step, outlier ranks), the same ranks in a row
 
     def rewind(self, step: int) -> None:
         """A new generation resumes after `step`: later observations are replayed, and its first
@@ -116,6 +118,7 @@ class HealthMonitor:
         self.collapse.rewind(step)
         self.grad.rewind(step)
         self.skipped_run, self.storm_scale, self.storm_reported = [], None, False
+        self.outlier_run = []
         self.throughput.clear()
         self.ignore_throughput = 2
         self.smooth.clear()
@@ -129,6 +132,7 @@ class HealthMonitor:
             out.append(Incident(kind=Kind.LOSS_SPIKE, first_step=ev["steps"][0], last_step=step, evidence=ev))
         if (ev := self.collapse.observe(step, event.loss)) is not None:
             out.append(Incident(kind=Kind.LOSS_COLLAPSE, first_step=ev["steps"][0], last_step=step, evidence=ev))
+        out += self._rank_outlier(event)
         out += self._burst(event)
         if (ev := self.grad.observe(step, event.grad_norm)) is not None:
             out.append(Incident(kind=Kind.GRAD_NORM_SPIKE, needs_action=self.cfg.grad_norm_action == "rollback",
@@ -136,6 +140,25 @@ class HealthMonitor:
         out += self._throughput(event)
         out += self._stall(event)
         return out
+
+    def _rank_outlier(self, event: StepEvent) -> list[Incident]:
+        """Data parallel: the same rank's own gradient norm OUTLIER x the others' median (daemon.triage)
+        `rank_outlier_steps` steps in a row — a device that adds to its gradients, or data only its share
+        holds; the triage tells which."""
+        hold = self.cfg.rank_outlier_steps
+        ranks = tuple(outliers(event.rank_losses, event.rank_grad_norms)) if hold else ()
+        if not ranks or (self.outlier_run and self.outlier_run[0][1] != ranks):
+            self.outlier_run = []
+        if not ranks:
+            return []
+        self.outlier_run.append((event.step, ranks))
+        if len(self.outlier_run) != hold:
+            return []
+        norms = list(event.rank_grad_norms or ())
+        return [Incident(kind=Kind.RANK_OUTLIER, first_step=self.outlier_run[0][0], last_step=event.step,
+                         rank=ranks[0], detail=f"rank(s) {list(ranks)}: own gradient norm {OUTLIER:g}x the others' "
+                         f"median or more for {hold} steps", evidence={"ranks": list(ranks), "rank_grad_norms": norms,
+                                                                      "hold_steps": hold, "factor": OUTLIER})]
 
     def _burst(self, event: StepEvent) -> list[Incident]:
         """Before the grad detector takes the step in: its window is the step's baseline."""

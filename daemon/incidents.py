@@ -34,6 +34,7 @@ class Kind(str, enum.Enum):
     DATA_CORRUPT = "data_corrupt"          # corpus blocks fail their checksums, found before training on them
     NODE_LOST = "node_lost"                # multi-node: a node's daemon went silent (its lease expired) or restarted
     REPLICA_MISMATCH = "replica_mismatch"  # data-parallel replicas' weights differ: silent corruption
+    RANK_OUTLIER = "rank_outlier"          # one data-parallel rank's own gradient norm far above the others'
 
     @property
     def is_process_fault(self) -> bool:
@@ -102,6 +103,8 @@ class Rollback:
     loss_scale: float | None = None           # fp16: restart at this scale ...
     loss_scale_cap_until_step: int | None = None   # ... and grow no higher until this step
     quarantine: tuple[tuple[str, int], ...] = ()   # corpus (shard file, block) pairs never to read again
+    exclude: tuple[int, ...] = ()             # ranks whose device (several machines: machine) is judged faulty:
+    exclude_for_s: float = 0.0                # ... left out of the generations this long (daemon.quarantine)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"type": "rollback", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
@@ -110,6 +113,8 @@ class Rollback:
                "loss_scale_cap_until_step": self.loss_scale_cap_until_step}
         if self.quarantine:
             out["quarantine"] = [list(b) for b in self.quarantine]
+        if self.exclude:
+            out.update(exclude=list(self.exclude), exclude_for_s=self.exclude_for_s)
         return out
 
 
@@ -121,10 +126,12 @@ class Rerun:
     checkpoint_step: int                      # resume from this committed step (0: from scratch)
     first_step: int                           # the incident's steps, compared
     last_step: int
+    rotate: int = 0                           # > 0: the second rerun, each rank on another's share (data or device?)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "rerun", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
-                "first_step": self.first_step, "last_step": self.last_step}
+        out = {"type": "rerun", "reason": self.reason, "checkpoint_step": self.checkpoint_step,
+               "first_step": self.first_step, "last_step": self.last_step}
+        return {**out, "rotate": self.rotate} if self.rotate else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,10 +156,12 @@ def action_from_dict(d: Mapping[str, Any] | None) -> Action | None:
                         skip=tuple(d["skip"]) if d.get("skip") else None,
                         lr_overrides=tuple(LrOverride.from_dict(o) for o in d.get("lr_overrides") or ()),
                         loss_scale=d.get("loss_scale"), loss_scale_cap_until_step=d.get("loss_scale_cap_until_step"),
-                        quarantine=tuple((str(f), int(b)) for f, b in d.get("quarantine") or ()))
+                        quarantine=tuple((str(f), int(b)) for f, b in d.get("quarantine") or ()),
+                        exclude=tuple(int(r) for r in d.get("exclude") or ()),
+                        exclude_for_s=float(d.get("exclude_for_s") or 0.0))
     if d["type"] == "rerun":
         return Rerun(d["reason"], checkpoint_step=int(d["checkpoint_step"]), first_step=int(d["first_step"]),
-                     last_step=int(d["last_step"]))
+                     last_step=int(d["last_step"]), rotate=int(d.get("rotate") or 0))
     return Halt(d["reason"], int(d["code"]))
 
 

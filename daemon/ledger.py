@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from contracts.protocol import EvalEvent, RecoveryDirective, StepEvent
-from daemon import state_rebuild
+from daemon import quarantine, state_rebuild
 from daemon.cadence import Cadence
 from daemon.control import Request
 from daemon.eventlog import EventLog
@@ -160,15 +160,38 @@ class Ledger:
             self._cadence = Cadence(ck, self.state.cadence)
         return self._cadence
 
-    def triaged(self, verdict: str, first_step: int, evidence: dict[str, Any]) -> None:
+    def triaged(self, verdict: str, first_step: int, evidence: dict[str, Any], health=None) -> None:
         """A rerun's verdict (daemon.triage): into state.json (the pending rerun is settled), the metrics
-        and the log — a transient fault as a warning (training went on past it)."""
+        and the log — a transient fault as a warning (training went on past it), counted on the lemon list
+        against where its suspects run: `health.transient_faults_to_quarantine` of them within
+        `transient_fault_window_s` quarantine the device (machine) for the next generations."""
         self.state.triaged(verdict, first_step, evidence.get("suspects") or ())
         self.metrics.count_triage(verdict)
+        detail = {"transient": "not reproduced: a transient fault; training goes on from the rerun (no rollback, no "
+                               "skip, no lr cut)",
+                  "device": "the fault stayed with its rank when the shares were rotated: a device fault",
+                  "data": "rotated across the replicas, the fault followed the data (or cannot be told): the policy "
+                          "acts on it"}.get(verdict, "reproduced: the data or the numbers; the policy acts on it")
+        self.emit("triage", level="warning" if verdict in ("transient", "device") else "info", detail=detail,
+                  **evidence)
+        if verdict == "transient" and health is not None:
+            self._count_transient(first_step, evidence.get("homes") or {}, health)
         self.save()
-        detail = ("not reproduced: a transient fault; training goes on from the rerun (no rollback, no skip, no lr cut)"
-                  if verdict == "transient" else "reproduced: the data or the numbers; the policy acts on it")
-        self.emit("triage", level="warning" if verdict == "transient" else "info", detail=detail, **evidence)
+
+    def _count_transient(self, step: int, homes: dict[str, Any], health) -> None:
+        now = time.time()
+        for node, device in {tuple(v) for v in homes.values()}:
+            entry = self.state.note_fault(node, device, kind="transient", step=step, unix_s=now)
+            n = quarantine.recent_faults(entry, "transient", now, health.transient_fault_window_s)
+            if health.transient_faults_to_quarantine and n >= health.transient_faults_to_quarantine \
+                    and not quarantine.entry_excludes(entry, now):
+                reason = (f"{n} transient faults within {health.transient_fault_window_s:g} s (health."
+                          f"transient_faults_to_quarantine = {health.transient_faults_to_quarantine})")
+                self.state.quarantine(node, device, kind="transient", step=step, unix_s=now,
+                                      for_s=health.quarantine_probation_s, reason=reason, counted=True)
+                self.emit("quarantined", level="warning", node=node, device=device if device >= 0 else None,
+                          until_unix_s=now + health.quarantine_probation_s, detail=reason + ": left out from the "
+                          "next generation")
 
     def warn(self, incident: Incident) -> None:
         """A health warning: recorded and reported, never acted on."""

@@ -10,11 +10,13 @@ are what both kinds return and raise.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol
+import os
+import time
+from typing import Callable, Mapping, Protocol
 
 from contracts.config import Config, with_changes
 from contracts.protocol import ExitCode
-from daemon import decisions, mindspore_env, watch
+from daemon import decisions, mindspore_env, quarantine, watch
 from daemon.control import Request
 from daemon.incidents import Incident
 from daemon.ledger import Ledger
@@ -30,6 +32,7 @@ class Opened:
     ranks: tuple[int, ...]        # this node's ranks in it
     members: tuple[int, ...] = ()
     scheduler: bool = True        # MindSpore's scheduler runs here (the decider's machine)
+    homes: dict = dataclasses.field(default_factory=dict)   # rank -> [node, device] (daemon.quarantine.homes)
 
 
 class PeersUnavailableError(RuntimeError):
@@ -96,9 +99,12 @@ class Peers(Protocol):
 
 
 class Alone:
-    """One machine: today's behaviour, no coordinator."""
+    """One machine, no coordinator: a generation on this machine's devices less the quarantined ones."""
 
     is_leader = True
+
+    def __init__(self, env: Mapping[str, str] | None = None):
+        self.env = dict(os.environ if env is None else env)
 
     def start(self, ledger: Ledger, files: RunFiles) -> None:
         pass
@@ -108,12 +114,22 @@ class Alone:
 
     def open(self, ledger: Ledger, files: RunFiles, base: Config,
              stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
+        devices = quarantine.machine_devices(base, self.env)
+        left_out = quarantine.excluded_devices(ledger.state.lemons, files.node, time.time())
+        shaped = quarantine.without_devices(base, ledger.state.config_changes, devices, left_out)
+        if isinstance(shaped, str):
+            raise PeersUnavailableError(shaped, ExitCode.CONFIG_ERROR)
+        cfg, left = shaped
+        if left_out & set(devices):
+            ledger.emit("devices_quarantined", level="warning", devices=list(left), left_out=sorted(left_out),
+                        dp=cfg.parallel.dp, micro_batch=cfg.train.micro_batch, grad_accum_steps=cfg.train.grad_accum_steps,
+                        detail=f"training on devices {list(left)} of {list(devices)}: {sorted(left_out)} quarantined, "
+                               "the same global batch")
         n = ledger.next_generation()
-        cfg = with_changes(base, ledger.state.config_changes)
         resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun,
                                          ledger.state.cadence)
         return Opened(n, cfg.run.master_port or mindspore_env.free_port(cfg.run.master_addr), resume, cfg,
-                      tuple(files.local_ranks))
+                      tuple(range(cfg.parallel.world_size)), homes=quarantine.homes(cfg, left, ()))
 
     def cut_off(self, now: float) -> bool:
         return False

@@ -14,7 +14,10 @@ The recovery ladder:
   accumulation (the global batch stays); with nothing smaller to try, give up (exit 3);
 - replica mismatch (the data-parallel replicas' fingerprints differ: a weight corrupted silently): roll
   back to the newest checkpoint at or before the last step they all agreed at; nothing skipped, no lr
-  cut (neither the data nor the numbers were at fault);
+  cut (neither the data nor the numbers were at fault); the odd replica's device quarantined when it can
+  be told (three or more replicas);
+- a straggler with `straggler_action = "exclude"`: its device (several machines: its machine) quarantined,
+  restart from the latest committed checkpoint;
 - corrupt data (corpus blocks failing their checksums, found before training on them): resume
   from the newest healthy checkpoint before that step with the blocks quarantined (their samples
   are passed over); beyond `max_quarantined_fraction` of the corpus, give up (exit 65).
@@ -22,7 +25,11 @@ Before any of the numerical rows (spike, collapse, grad-norm spike acted on, non
 `health.rerun` — the incident's steps are re-run first from the newest healthy checkpoint before them,
 nothing else changed (a Rerun): the watch of that generation compares the rerun with the first run.
 Reproduced, the incident comes back with its `triage` evidence and its row decides; not reproduced,
-it was transient and training goes on from the rerun. An incident at a step a rerun already found
+it was transient and training goes on from the rerun. Reproduced under data parallel with the incident
+pointing at some ranks (daemon.triage.suspects), a second rerun rotates the shares across the replicas:
+the fault follows the data -> its row decides; it stays with the rank -> a device fault: the device
+(several machines: its machine) is quarantined (daemon.quarantine) and the run rolls back to the newest
+healthy checkpoint before it, nothing skipped, no lr cut. An incident at a step a rerun already found
 transient is not re-run again (a fault that comes back where a rerun passed is no passing fault).
 Warnings are recorded, never decided on. Checkpoint health is derived from the incident log, never stamped.
 Also: merging a rollback into the recovery directive in force. No clocks, files or processes here.
@@ -36,7 +43,7 @@ from contracts.config import HealthConfig, TrainConfig
 from contracts.protocol import ExitCode, LrOverride, RecoveryDirective
 from daemon.incidents import Action, Halt, Incident, Kind, Rerun, Restart, Rollback
 
-NUMERIC = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE)
+NUMERIC = (Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.NON_FINITE, Kind.RANK_OUTLIER)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +90,12 @@ def _restart(incident: Incident, history: RunHistory, h: HealthConfig, train: Tr
     if history.restarts_without_progress >= h.max_restarts_without_progress:
         return Halt(f"{history.restarts_without_progress} restarts without a new checkpoint",
                     ExitCode.GAVE_UP_CRASH_LOOP)
-    why = " (on a cluster its node would be excluded)" if incident.kind is Kind.STRAGGLER else ""
-    return Restart(f"{incident.kind.value}: restart from the latest committed checkpoint{why}")
+    if incident.kind is Kind.STRAGGLER and h.straggler_action == "exclude" and incident.rank is not None:
+        return Rollback(f"straggler: rank {incident.rank}'s device (several machines: its machine) quarantined for "
+                        f"{h.quarantine_probation_s:g} s; restart from the latest committed checkpoint",
+                        checkpoint_step=max(history.committed_steps, default=0), skip=None, lr_overrides=(),
+                        exclude=(incident.rank,), exclude_for_s=h.quarantine_probation_s)
+    return Restart(f"{incident.kind.value}: restart from the latest committed checkpoint")
 
 
 def _rollback_target(incident: Incident, history: RunHistory, h: HealthConfig) -> int:
@@ -94,19 +105,45 @@ def _rollback_target(incident: Incident, history: RunHistory, h: HealthConfig) -
 
 
 def _numeric(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
-    if h.rerun and "triage" not in incident.evidence and incident.first_step not in history.transient_steps:
+    triage = incident.evidence.get("triage") or {}
+    if triage.get("verdict") == "device":
+        return _exclude(incident, history, h, tuple(triage.get("suspects") or ()),
+                        f"{incident.kind.value}: a device fault — rotated across the replicas, the fault stayed on "
+                        f"rank(s) {list(triage.get('suspects') or ())}, not with the data")
+    if h.rerun and not triage and incident.first_step not in history.transient_steps:
         return _rerun(incident, history, h)
+    if h.rerun and triage.get("verdict") == "deterministic" and not triage.get("rotate") and _rotatable(incident):
+        return _rerun(incident, history, h, rotate=1)
     return _cut_lr(incident.kind, incident, history, h, _rollback_target(incident, history, h))
 
 
-def _rerun(incident: Incident, history: RunHistory, h: HealthConfig) -> Rerun:
-    """The incident's steps again from the newest healthy checkpoint before them: data or device?"""
+def _rotatable(incident: Incident) -> bool:
+    """Data parallel, and the incident's steps point at some ranks but not all: rotating the shares tells
+    whether its fault follows the data or stays with the rank."""
+    ranks, suspects = int(incident.evidence.get("ranks") or 1), incident.evidence.get("suspects") or ()
+    return ranks >= 2 and 0 < len(suspects) < ranks
+
+
+def _rerun(incident: Incident, history: RunHistory, h: HealthConfig, rotate: int = 0) -> Rerun:
+    """The incident's steps again from the newest healthy checkpoint before them: data or device? (rotate:
+    the second rerun, each rank on another's share: the data or this device?)"""
     steps = sorted({*history.committed_steps, *history.memory_steps})
     target = newest_healthy(steps, history.incidents, h.rollback_margin_steps, before_step=incident.first_step)
     first, last = incident.first_step, incident.last_step
     span = f"step {first}" if first == last else f"steps {first}-{last}"
-    return Rerun(f"{incident.kind.value}: rerun {span} from step {target} to tell the data from the device",
-                 checkpoint_step=target, first_step=first, last_step=last)
+    why = (f"reproduced; rerun {span} from step {target} with the replicas' shares rotated by {rotate} to tell the "
+           "data from the device") if rotate else f"rerun {span} from step {target} to tell the data from the device"
+    return Rerun(f"{incident.kind.value}: {why}", checkpoint_step=target, first_step=first, last_step=last,
+                 rotate=rotate)
+
+
+def _exclude(incident: Incident, history: RunHistory, h: HealthConfig, ranks: tuple[int, ...], why: str) -> Action:
+    """A faulty device (machine): left out for health.quarantine_probation_s, the run back at the newest
+    healthy checkpoint before the fault; nothing skipped, no lr cut (the data and the numbers were right)."""
+    target = _rollback_target(incident, history, h)
+    return Rollback(f"{why}: quarantined for {h.quarantine_probation_s:g} s, roll back to step {target}",
+                    checkpoint_step=target, skip=None, lr_overrides=(), exclude=ranks,
+                    exclude_for_s=h.quarantine_probation_s)
 
 
 def _overflow_storm(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
@@ -153,8 +190,11 @@ def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig, train:
 def _replicas(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
     agreed = int(incident.evidence.get("last_agreed_step", incident.first_step - 1))
     target = newest_healthy(history.committed_steps, history.incidents, h.rollback_margin_steps, before_step=agreed + 1)
+    odd = () if incident.evidence.get("tie") else tuple(int(r) for r in incident.evidence.get("odd_ranks") or ())
+    held = f"; rank(s) {list(odd)}' device quarantined for {h.quarantine_probation_s:g} s" if odd else ""
     return Rollback(f"replica mismatch at step {incident.last_step}: roll back to step {target}, at or before step "
-                    f"{agreed} where every replica agreed", checkpoint_step=target, skip=None, lr_overrides=())
+                    f"{agreed} where every replica agreed{held}", checkpoint_step=target, skip=None, lr_overrides=(),
+                    exclude=odd, exclude_for_s=h.quarantine_probation_s if odd else 0.0)
 
 
 def _cut_lr(kind: Kind, incident: Incident, history: RunHistory, h: HealthConfig, target: int) -> Action:
@@ -183,6 +223,7 @@ RULES: dict[Kind, Rule] = {
     Kind.REPLICA_MISMATCH: _replicas,
     Kind.OVERFLOW_STORM: _overflow_storm,
     Kind.LOSS_SPIKE: _numeric, Kind.LOSS_COLLAPSE: _numeric, Kind.GRAD_NORM_SPIKE: _numeric, Kind.NON_FINITE: _numeric,
+    Kind.RANK_OUTLIER: _numeric,
 }
 
 

@@ -21,6 +21,7 @@ from contracts.protocol import (
     ENV_COMMANDS,
     ENV_EVENT_SOCKET,
     ENV_MEMORY_LIMIT,
+    ENV_NODE,
     ENV_RECOVERY,
     ENV_RERUN,
     Command,
@@ -54,6 +55,7 @@ class RunFiles:
         self.memory_dir = cfg.checkpoint.memory_dir
         local = cfg.parallel.world_size // cfg.run.nodes
         self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
+        self.node = cfg.run.node_rank          # this machine's own index (a generation's config numbers its slot)
         self._seq = 0
         self.fence_generation = 0       # several machines: commands are stamped with their generation
 
@@ -138,7 +140,7 @@ class RunFiles:
     def rank_env(self, env: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int,
                  sock: Path) -> dict[str, str]:
         base = {k: v for k, v in env.items() if k not in _SYSTEMD_ONLY}   # the daemon speaks for them
-        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands)})
+        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands), ENV_NODE: str(self.node)})
         if self.recovery.exists():
             base[ENV_RECOVERY] = str(self.recovery)
         if self.rerun.exists():

@@ -29,6 +29,7 @@ from contracts.errors import DataError
 from contracts.protocol import DATA_FAULTS, RecoveryDirective, RerunDirective
 from daemon.eventlog import non_finite_floats, strict_json
 from daemon.incidents import Incident, IncidentRecord, Rerun, Restart, Rollback
+from daemon.quarantine import key as quarantine_key
 from daemon.policy import merge_recovery
 from durable import fsync_path, write_atomically
 
@@ -62,6 +63,8 @@ class RunState:
     transient_steps: list[int] = dataclasses.field(default_factory=list)   # where reruns found a transient fault
     transient_by_rank: dict[str, int] = dataclasses.field(default_factory=dict)   # the ranks those faults came from
     cadence: dict[str, Any] = dataclasses.field(default_factory=dict)   # checkpoint interval "auto": daemon.cadence's
+    lemons: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)   # faulty devices and machines
+                                         # (daemon.quarantine): node, device, faults, quarantined_until_unix_s
     undecided: dict[str, Any] | None = None   # an incident that ended a generation, not yet decided (an Incident)
     checkpoints_failing_since: int | None = None   # the step of the first failed save since the last commit
     processes: list[dict[str, Any]] = dataclasses.field(default_factory=list)   # this generation's, for orphans
@@ -191,6 +194,30 @@ class RunState:
             self.pending_rollback = action.checkpoint_step
         if isinstance(action, Rerun):
             self.rerun = rerun_of(record)
+        if isinstance(action, Rollback) and action.exclude:
+            homes = record.incident.evidence.get("homes") or {}
+            for rank in action.exclude:
+                if str(rank) in homes:
+                    node, device = homes[str(rank)]
+                    self.quarantine(node, device, kind=record.kind.value, step=record.incident.first_step,
+                                    unix_s=record.unix_s, for_s=action.exclude_for_s, reason=action.reason)
+
+    def note_fault(self, node: int, device: int | None, *, kind: str, step: int, unix_s: float) -> dict[str, Any]:
+        """A fault counted against a device (None, or < 0: the machine) on the lemon list; its entry."""
+        device = None if device is None or device < 0 else int(device)
+        entry = self.lemons.setdefault(quarantine_key(node, device), {
+            "node": int(node), "device": device, "faults": [], "quarantines": 0, "quarantined_until_unix_s": None})
+        entry["faults"] = [*entry["faults"], {"kind": kind, "step": step, "unix_s": unix_s}][-50:]
+        return entry
+
+    def quarantine(self, node: int, device: int | None, *, kind: str, step: int, unix_s: float, for_s: float,
+                   reason: str, counted: bool = False) -> None:
+        """A device (machine) judged faulty: left out of the generations until unix_s + for_s (`counted`: its
+        fault is on the list already)."""
+        device = None if device is None or device < 0 else int(device)
+        entry = self.lemons.get(quarantine_key(node, device)) if counted else None
+        entry = entry or self.note_fault(node, device, kind=kind, step=step, unix_s=unix_s)
+        entry.update(quarantined_until_unix_s=unix_s + for_s, quarantines=entry["quarantines"] + 1, reason=reason)
 
     def set_cadence(self, cadence: Mapping[str, Any]) -> None:
         """The automatic checkpoint interval's state (daemon.cadence), kept for the next daemon."""
@@ -267,9 +294,10 @@ def rerun_of(record: IncidentRecord) -> dict[str, Any]:
     drill = incident.evidence.get("drill")
     drills = (dict(drill),) if isinstance(drill, dict) and drill.get("fault") in DATA_FAULTS else ()
     directive = RerunDirective(kind=incident.kind.value, first_step=action.first_step, last_step=action.last_step,
-                               checkpoint_step=action.checkpoint_step, drills=drills)
+                               checkpoint_step=action.checkpoint_step, drills=drills, rotate=action.rotate)
     return {**directive.to_dict(), "observed": dict(incident.evidence.get("observed") or {}),
-            "suspects": list(incident.evidence.get("suspects") or ()), "generation": record.generation}
+            "suspects": list(incident.evidence.get("suspects") or ()), "homes": dict(incident.evidence.get("homes") or {}),
+            "generation": record.generation}
 
 
 def set_aside(run_dir: Path, now_s: float) -> Path:

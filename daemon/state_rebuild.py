@@ -5,8 +5,9 @@ events — and the reading of `events.jsonl` with its rotated backups, oldest
 first. What the log gives back: the incident history (each `incident` and
 `health_warning` event carries an IncidentRecord's fields), the generation
 count (the highest `generation` seen), the restarts, the config changes and
-the recovery directive (recomputed from the incidents' actions by
-RunState.apply_incident, the method the live daemon records them with), a
+the recovery directive and the lemon list's quarantines (recomputed from the incidents' actions by
+RunState.apply_incident, the method the live daemon records them with; the transient faults from the
+`triage` and `quarantined` events), a
 rollback decided but not carried out, the last control request and the last
 progress — each through the RunState method the live daemon calls for it.
 What it does not hold stays empty: the processes of the last generation (a
@@ -59,6 +60,15 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
         elif name == "triage" and e.get("verdict") in VERDICTS:     # a rerun's verdict: the rerun is settled
             state.triaged(e["verdict"], _int(e.get("first_step"), 0),
                           [r for r in e.get("suspects") or () if isinstance(r, int)])
+            if e["verdict"] == "transient":        # counted on the lemon list against where its suspects ran
+                for node, device in {tuple(v) for v in (e.get("homes") or {}).values() if len(v) == 2}:
+                    state.note_fault(node, device, kind="transient", step=_int(e.get("first_step"), 0),
+                                     unix_s=_unix_s(e.get("ts")))
+        elif name == "quarantined" and isinstance(e.get("node"), int):   # transient faults past the threshold
+            at = _unix_s(e.get("ts"))
+            state.quarantine(e["node"], e.get("device"), kind="transient", step=0, unix_s=at,
+                             for_s=float(e.get("until_unix_s") or at) - at, reason=str(e.get("detail") or ""),
+                             counted=True)
         elif name == "rollback":            # the renames of the recorded rollback were done
             state.rollback_done()
         elif name == "restart":

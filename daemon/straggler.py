@@ -9,7 +9,7 @@ it arrived). Over a trailing window of steps, a rank whose median lag is at leas
 `straggler_min_lag_s` and `straggler_min_rel` of the median step period is a straggler; its
 relative score is 1 - lag / period (1.0: never waited for; 0.6: the others wait 40 % of each
 step for it), in the manner of NVIDIA's resiliency extension. The warning names the rank once;
-with `straggler_action = "restart"`, a rank slow for `straggler_restart_after_s` (summed step
+with `straggler_action = "restart"` (or "exclude": its device or machine quarantined), a rank slow for `straggler_restart_after_s` (summed step
 periods) ends the generation (on a cluster its node would be excluded).
 
 What it sees: host-side slowness (input pipeline, CPU contention, a rank's Python) and, with
@@ -90,7 +90,7 @@ class StragglerDetector:
             self._warned.add(rank)
             out.append(Incident(kind=Kind.STRAGGLER, first_step=step, last_step=step, rank=rank,
                                 needs_action=False, detail=detail, evidence=evidence))
-        if (self.cfg.straggler_action == "restart" and not self._acted
+        if (self.cfg.straggler_action in ("restart", "exclude") and not self._acted
                 and self._slow_for_s >= self.cfg.straggler_restart_after_s):
             self._acted = True
             out.append(Incident(kind=Kind.STRAGGLER, first_step=step, last_step=step, rank=rank,

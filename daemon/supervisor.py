@@ -48,7 +48,7 @@ class Supervisor:
         self.memcg_parent: tuple[int, Path] | None = None
         self.ledger: Ledger | None = None       # made once the lock is held: it writes into the run
         self.backoff = decisions.Backoff(cfg.health)
-        self.peers: peers.Peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone()
+        self.peers: peers.Peers = Nodes(cfg) if cfg.run.nodes > 1 else peers.Alone(self.env)
         self.spare = standby.Keeper(self.files, self.env, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd)
 
     @property
@@ -165,8 +165,8 @@ class Supervisor:
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
                             resume_step=resume, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
                             config_changes=self.state.config_changes or None, standby=gen.from_standby)
-                w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(), rerun=self.state.rerun,
-                                log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
+                w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(), homes=opened.homes,
+                                rerun=self.state.rerun, log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
                 outcome = self._watch(gen, w, n)
                 if isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off"):   # multi-node
                     ledger.emit("cut_off", level="warning", detail=outcome.incident.detail)

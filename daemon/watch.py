@@ -40,7 +40,9 @@ PROGRESS_LOG_EVERY_S = 10.0  # a `progress` event (and state.json's last_progres
 # The incidents each fault drill is expected to cause (a drill's incident is labelled as such).
 DRILL_KINDS = {"nan": {Kind.NON_FINITE, Kind.OVERFLOW_STORM}, "bitflip": {Kind.NON_FINITE, Kind.OVERFLOW_STORM},
                "corrupt-weight": {Kind.REPLICA_MISMATCH},
-               "spike": {Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.GRAD_NORM_BURST},
+               "faulty-rank": {Kind.RANK_OUTLIER, Kind.GRAD_NORM_SPIKE, Kind.GRAD_NORM_BURST, Kind.LOSS_SPIKE},
+               "spike": {Kind.LOSS_SPIKE, Kind.LOSS_COLLAPSE, Kind.GRAD_NORM_SPIKE, Kind.GRAD_NORM_BURST,
+                         Kind.RANK_OUTLIER},
                "hang": {Kind.HANG}, "crash": {Kind.CRASH}, "oom": {Kind.OOM},
                "slow": {Kind.STRAGGLER, Kind.THROUGHPUT_REGRESSION, Kind.HANG}}
 
@@ -232,8 +234,9 @@ class _Exit:
 class Watch:
     def __init__(self, cfg: Config, *, generation: int, ranks: Sequence[int], monitor: HealthMonitor, now: float,
                  log_paths: Mapping[int, str] | None = None, stop_reason: str | None = None,
-                 rerun: Mapping[str, Any] | None = None):
+                 rerun: Mapping[str, Any] | None = None, homes: Mapping[str, Sequence[int]] | None = None):
         self.cfg, self.generation, self.monitor = cfg, generation, monitor
+        self.homes = dict(homes or {})        # rank -> [node, device] (daemon.quarantine.homes): where a suspect runs
         self.ranks = list(ranks)
         self.watched = self.ranks[0]          # its step events feed the detectors (the metrics are global)
         self.log_paths = dict(log_paths or {})
@@ -375,7 +378,7 @@ class Watch:
         verdict = check.observe(ev)
         if verdict is None:
             return found
-        evidence = check.evidence(self.generation)
+        evidence = {**check.evidence(self.generation), "homes": self._homes(check.suspects)}
         self._do(Triaged(verdict, check.first, evidence))
         if verdict == "transient":
             return found
@@ -395,9 +398,14 @@ class Watch:
                 # what a rerun of its steps is compared with, and the ranks they point at (daemon.triage)
                 span = range(incident.first_step, incident.last_step + 1)
                 seen = [self._recent[s] for s in span if s in self._recent]
+                pointed = suspects([(e.rank_losses, e.rank_grad_norms) for e in seen])
                 incident = dataclasses.replace(incident, evidence={
                     **incident.evidence, "observed": {str(e.step): observed_values(e) for e in seen},
-                    "suspects": suspects([(e.rank_losses, e.rank_grad_norms) for e in seen])})
+                    "suspects": pointed, "ranks": max((len(e.rank_losses or ()) for e in seen), default=0)})
+            named = [*incident.evidence.get("suspects", ()), *incident.evidence.get("odd_ranks", ()),
+                     *([incident.rank] if incident.rank is not None else [])]
+            if named and self.homes:        # where they run: a device or machine to quarantine (daemon.quarantine)
+                incident = dataclasses.replace(incident, evidence={**incident.evidence, "homes": self._homes(named)})
             self._do(Note("incident_detected", "error", {"kind": incident.kind.value, "step": step,
                                                          "first_step": incident.first_step,
                                                          "evidence": dict(incident.evidence)}))
@@ -491,6 +499,9 @@ class Watch:
     def tick(self, now: float) -> Outcome | None:
         out = self._tick(now)
         return Failed(self._labelled(out.incident)) if isinstance(out, Failed) else out
+
+    def _homes(self, ranks: Sequence[int]) -> dict[str, list[int]]:
+        return {str(r): list(self.homes[str(r)]) for r in ranks if str(r) in self.homes}
 
     def _labelled(self, incident: Incident) -> Incident:
         """An incident a fault drill of this generation explains says so (evidence `drill`)."""

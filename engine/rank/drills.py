@@ -12,6 +12,10 @@ Honoured only with `health.allow_fault_injection = true`.
            so every gradient it computes overflows — what a flipped exponent bit in one gradient does
            once the all-reduce and the norm sum it: a non-finite step a rerun does not repeat (a
            transient device fault)
+    faulty-rank  the device this rank runs on turns faulty and stays so: its gradients ×32 every step (a broken
+           unit, deterministic, so a rerun repeats it), in every generation whose rank runs on that device
+           (`<run.dir>/drills/faulty-node<N>-device<D>` marks it) until the device is left out (quarantine);
+           its own gradient norm stands out of the others' (health.rank_outlier_steps)
     spike  this rank's batches of the window are replaced by uniformly random token ids, as from
            a corrupt shard: bad data the model cannot predict, a real loss spike, not a faked number;
            in the data, so a rerun of its steps (contracts.protocol.RerunDirective) reads it again
@@ -36,10 +40,14 @@ import struct
 import sys
 import time
 
-from contracts.protocol import DATA_FAULTS, ENV_MEMORY_LIMIT, ENV_RERUN, InjectRequest, RerunDirective
+from pathlib import Path
+
+from contracts.protocol import (DATA_FAULTS, ENV_DEVICE, ENV_MEMORY_LIMIT, ENV_NODE, ENV_RERUN, InjectRequest,
+                                RerunDirective)
 
 # 1.0f with bit 30 (the exponent's top bit) flipped: 0x3F800000 ^ 0x40000000 = 0x7F800000, +inf
 FLIPPED_ONE = struct.unpack("<f", struct.pack("<I", 0x3F800000 ^ (1 << 30)))[0]
+FAULTY = 32.0      # a faulty device's gradients, this many times what they should be (faulty-rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,27 +61,44 @@ class Drill:
         return self.first_step <= step < self.first_step + self.steps
 
 
+def read_rerun(env) -> RerunDirective | None:
+    """The rerun directive of a generation that reruns an incident's steps, if this is one."""
+    path = env.get(ENV_RERUN)
+    if not path or not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return RerunDirective.from_json(f.read())
+
+
 class Drills:
-    def __init__(self, *, rank: int, allowed: bool, env=os.environ, log=None):
-        self.rank, self.allowed, self.env = rank, allowed, env
+    def __init__(self, *, rank: int, allowed: bool, env=os.environ, log=None, dp: int = 1,
+                 marks: Path | None = None):
+        self.rank, self.allowed, self.env, self.dp = rank, allowed, env, dp
         self.pending: list[Drill] = []
         self.log = log or (lambda msg: print(f"llm-pretrain: {msg}", file=sys.stderr, flush=True))
-        self._read_again(env.get(ENV_RERUN))
+        device = env.get(ENV_DEVICE, str(rank))
+        self.mark = marks / f"faulty-node{env.get(ENV_NODE, '0')}-device{device}" if marks else None
+        self.faulty = bool(allowed and self.mark and self.mark.exists())
+        if self.faulty:
+            self.log(f"drill: device {device} of this machine is faulty (faulty-rank): rank {rank}'s gradients "
+                     f"x{FAULTY:g} every step")
+        self._read_again(read_rerun(env) if allowed else None)
 
-    def _read_again(self, path: str | None) -> None:
+    def _read_again(self, rerun: RerunDirective | None) -> None:
         """A generation that reruns an incident's steps reads the data drills among them again (bad data is
-        bad every time it is read); at the step they began, or the incident's first step."""
-        if not path or not self.allowed or not os.path.exists(path):
+        bad every time it is read); at the step they began, or the incident's first step. A rotated rerun
+        trains each rank on another's share: the drill's data is then where its share is."""
+        if rerun is None:
             return
-        with open(path) as f:
-            rerun = RerunDirective.from_json(f.read())
         for args in rerun.drills:
             req = InjectRequest.from_dict(args)
-            if req.fault in DATA_FAULTS and req.rank == self.rank:
+            holder = (req.rank - rerun.rotate) % self.dp if rerun.rotate else req.rank
+            if req.fault in DATA_FAULTS and holder == self.rank:
                 first = req.at_step or rerun.first_step
                 self.pending.append(Drill(req.fault, first, req.steps_or_default, req.seconds_or_default))
-                self.log(f"rerun of steps {rerun.first_step}-{rerun.last_step}: the {req.fault} drill's data is "
-                         f"read again at step {first} for {req.steps_or_default} step(s) on rank {self.rank}")
+                self.log(f"rerun of steps {rerun.first_step}-{rerun.last_step}: the {req.fault} drill's data (rank "
+                         f"{req.rank}'s share) is read again at step {first} for {req.steps_or_default} step(s) on "
+                         f"rank {self.rank}")
 
     def add(self, seq: int, args: dict, applied_after_step: int) -> None:
         """An agreed inject command, applied after step `applied_after_step` on every rank."""
@@ -101,7 +126,10 @@ class Drills:
 
     def before_step(self, step: int) -> tuple[float, bool]:
         """Runs the process-level faults due before `step`; returns (poison, corrupt) for the step."""
-        poison, corrupt = 1.0, False
+        for d in self.pending:
+            if d.fault == "faulty-rank" and step >= d.first_step and not self.faulty:
+                self._turn_faulty(step)
+        poison, corrupt = (FAULTY if self.faulty else 1.0), False
         for d in self.pending:
             if not d.covers(step):
                 continue
@@ -123,6 +151,15 @@ class Drills:
                 self._exhaust_memory(step)
         self.pending = [d for d in self.pending if d.first_step + d.steps > step]
         return poison, corrupt
+
+    def _turn_faulty(self, step: int) -> None:
+        """faulty-rank: this rank's device turns faulty for good (marked for the generations after this one)."""
+        if self.mark is not None:
+            self.mark.parent.mkdir(parents=True, exist_ok=True)
+            self.mark.touch()
+        self.faulty = True
+        self.log(f"drill: the device of rank {self.rank} turns faulty at step {step} (gradients x{FAULTY:g} every "
+                 "step, in this and later generations on it)")
 
     def _exhaust_memory(self, step: int) -> None:
         limit = int(self.env.get(ENV_MEMORY_LIMIT, "0") or 0)

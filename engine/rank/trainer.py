@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
+import itertools
 import os
 import signal
 import sys
@@ -38,7 +39,7 @@ from engine.data.corpus_blocks import CorruptBlockError
 from engine.data.feed import FedStep, feed
 from engine.rank import runtime
 from engine.rank.commands import CommandReader
-from engine.rank.drills import Drills
+from engine.rank.drills import Drills, read_rerun
 from engine.rank.events import EventSink
 from engine.rank.startup import StartupClock
 from engine.rank.stop_signal import StopSignal
@@ -65,12 +66,26 @@ class Trainer:
         self._fed: Iterator[FedStep] | None = None
         self._last_end: float | None = None     # when the previous step ended (host time since: host_s)
         self.agreed_control: tuple[int, ...] = ()
+        self.rotation = (0, 0, -1)         # a rotated rerun's (k, first step, last step): see rotate
 
     def compile_step(self) -> None:
         """Compiles the step without running it (under semi-auto parallel this slices the parameters)."""
         t = self.cfg.train
         rows = self.parallelism.rank_batch(np.arange(t.global_batch), self.rank_info.rank).shape[1]
         self.step_fn.compile(np.zeros((t.grad_accum_steps, rows, self.cfg.data.seq_len + 1), np.int32))
+
+    def rotate(self, k: int, first_step: int, last_step: int) -> None:
+        """A rotated rerun (contracts.protocol.RerunDirective.rotate): in steps first..last this rank trains on
+        the share of rank (rank + k) % dp, so a fault that follows the data moves to another rank and one
+        of the device stays."""
+        if k % self.cfg.parallel.dp and not self.parallelism.semi_auto:
+            self.rotation = (k, first_step, last_step)
+            self._fed = None
+
+    def share_of(self, step: int) -> int:
+        """The rank whose share of the data this rank trains on at `step` (its own but in a rotated rerun)."""
+        rank, (k, first, last) = self.rank_info.rank, self.rotation
+        return (rank + k) % self.cfg.parallel.dp if first <= step <= last else rank
 
     def lr(self, step: int) -> tuple[float, float]:
         o = self.cfg.optim
@@ -114,10 +129,11 @@ class Trainer:
         t = self.cfg.train
         started = time.perf_counter()
         if self._fed is None:
-            rank, parallelism = self.rank_info.rank, self.parallelism
+            parallelism, steps = self.parallelism, itertools.count(self.step + 1)    # one share a step, in order
             self._fed = feed(self.source, cursor=self.cursor, steps=t.steps - self.step,
-                             share=lambda indices: parallelism.rank_batch(indices, rank), global_batch=t.global_batch,
-                             skips=self.skips, prefetch_steps=self.cfg.data.prefetch_steps)
+                             share=lambda indices: parallelism.rank_batch(indices, self.share_of(next(steps))),
+                             global_batch=t.global_batch, skips=self.skips,
+                             prefetch_steps=self.cfg.data.prefetch_steps)
         fed = next(self._fed, None)
         if fed is None:
             raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
@@ -226,7 +242,8 @@ class RankRun:
         self.rank_info = rank_info
         self.generation = int(env.get(ENV_GENERATION, "0"))
         self.commands = CommandReader(env.get(ENV_COMMANDS), generation=self.generation)
-        self.drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env)
+        self.drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env,
+                             dp=cfg.parallel.dp, marks=cfg.run.resolved_dir(env) / "drills")
         self.applied = 0                  # the highest command sequence number applied
         self.cap_until = 0                # the step at which the recovery's loss-scale cap is lifted (0: none)
         self.simulated = bool(env.get("MS_SIMULATION_LEVEL"))   # `plan --dry-run`: one compiled step, nothing saved
@@ -280,6 +297,8 @@ class RankRun:
             count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
             print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr,
                   flush=True)
+        if (rerun := read_rerun(env)) is not None and rerun.rotate:
+            trainer.rotate(rerun.rotate, rerun.first_step, rerun.last_step)
         recovery = _read_recovery(env)
         if recovery:
             self.cap_until = trainer.apply_recovery(recovery, restored["step"] if restored else 0)

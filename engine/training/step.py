@@ -59,7 +59,10 @@ class TrainStep(StepState):
         # writes its slot, the others 0): every rank learns every rank's, and the daemon can tell which rank
         # a fault came from (daemon.triage). Up to PER_RANK_MAX ranks.
         self.world = world if reduction.hand_all_reduce and 1 < world <= PER_RANK_MAX else 0
-        self.rank_mask = Tensor(np.arange(self.world) == rank) if self.world else None
+        # a Parameter, not a constant: a constant is baked into the compiled graph, and the compile cache,
+        # shared by the ranks, would hand every rank the first one's mask after a restart
+        self.rank_mask = Parameter(Tensor(np.arange(self.world) == rank), name="rank_mask",
+                                   requires_grad=False) if self.world else None
         # Control flags ride along with the step's own collectives: every rank learns,
         # after the same step, what any rank asked for (a stop signal, a command).
         # Summed, because CPU AllReduce does only sums: a flag set anywhere sums to > 0.

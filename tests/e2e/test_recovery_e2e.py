@@ -2,7 +2,8 @@
 fp16 overflow storm and an out-of-memory kill, each injected for real and recovered from by the
 daemon with no one in the loop; every incident and action in state.json and the event log. And
 issue 35's triage: a flipped bit is rerun, found transient and passed through bit for bit; a poisoned
-window is rerun, found in the data and skipped."""
+window is rerun, rerun rotated, found in the data and skipped; a faulty device is rerun, rerun rotated,
+found to stay with its rank and quarantined."""
 import json
 import statistics
 import subprocess
@@ -83,15 +84,19 @@ def test_a_poisoned_window_is_rerun_found_in_the_data_rolled_back_skipped_and_th
                              injects=[("spike", "--rank", "0", "--at-step", "200", "--steps", "8")])
     assert done.returncode == 0, done.stderr[-3000:]
     rerun = _check_recorded(run, events, "loss_spike", "rerun")
-    [triage] = _named(events, "triage")
-    # the rerun read the bad window again and repeated the first run's steps bit for bit: the data
+    triage, rotated = _named(events, "triage")
+    # the rerun read the bad window again and repeated the first run's steps bit for bit: reproduced
     assert triage["verdict"] == "deterministic" and triage["compared"]
     assert all(c["first_run"] == c["rerun"] for c in triage["compared"]), triage["compared"]
+    # rank 0's share stood out; rotated, that share was on rank 1 and rank 1 stood out: it followed the data
+    assert rerun["evidence"]["suspects"] == [0]
+    assert rotated["verdict"] == "data" and rotated["rerun_suspects"] == rotated["if_data"] == [1]
     incident = _check_recorded(run, events, "loss_spike", "rollback")
     action = incident["action"]
     assert incident["first_step"] == 200 and action["type"] == "rollback" and action["checkpoint_step"] < 190
-    assert rerun["first_step"] == 200 and incident["evidence"]["triage"]["verdict"] == "deterministic"
-    gen1, gen3 = _steps(run, 1), _steps(run, 3)
+    assert rerun["first_step"] == 200 and incident["evidence"]["triage"]["verdict"] == "data"
+    assert not action.get("exclude") and not RunState.load(run).lemons
+    gen1, gen3 = _steps(run, 1), _steps(run, 4)
     poisoned = [gen1[s] for s in range(200, incident["last_step"] + 1)]
     skip = action["skip"]
     assert skip == [poisoned[0]["sample_start"], poisoned[-1]["sample_end"]]
@@ -253,3 +258,33 @@ def test_a_slow_rank_is_named_and_with_restart_set_its_generation_is_restarted(c
     assert incident["evidence"]["slow_for_s"] >= 4
     (restart,) = _named(events, "restart")
     assert restart["cause"] == "straggler" and restart["rank"] == 1
+
+
+def test_a_faulty_device_is_rerun_rotated_found_to_stay_with_its_rank_and_quarantined(
+        cli, quiet_env, tmp_path, stdlib_corpus):
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, steps=120,
+                             injects=[("faulty-rank", "--rank", "1", "--at-step", "70")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    # rank 1's own gradient norm stood out three steps in a row; a rerun repeated it bit for bit; with the
+    # shares rotated it stood out on rank 1 again (not on rank 0, which trained on its share): the device
+    first = _check_recorded(run, events, "rank_outlier", "rerun")
+    assert first["first_step"] == 70 and first["evidence"]["suspects"] == [1]
+    assert [t["verdict"] for t in _named(events, "triage")] == ["deterministic", "device"]
+    rotated = [e for e in _named(events, "incident") if e["action"] and e["action"].get("rotate") == 1]
+    assert rotated, "no rotated rerun was decided"
+    incident = _check_recorded(run, events, "rank_outlier", "rollback")
+    action = incident["action"]
+    assert action["exclude"] == [1] and action["skip"] is None and action["lr_overrides"] == []
+    assert action["checkpoint_step"] < 70
+    # its device sits out: the lemon list has it (kept in state.json across daemons), the run goes on on device 0
+    state = RunState.load(run)
+    assert state.lemons["node 0 device 1"]["quarantined_until_unix_s"] > incident["evidence"]["triage"].get(
+        "rerun_generation", 0)
+    [moved] = _named(events, "devices_quarantined")
+    assert moved["devices"] == [0] and moved["left_out"] == [1] and moved["dp"] == 1
+    last = max(e["generation"] for e in _named(events, "generation_start"))
+    [start] = [e for e in _named(events, "generation_start") if e["generation"] == last]
+    assert start["ranks"] == [0]
+    final = _steps(run, last)
+    assert max(final) == 120 and min(final) == action["checkpoint_step"] + 1
+    assert all(e["lr_multiplier"] == 1.0 for e in final.values())       # nothing cut: the data was fine

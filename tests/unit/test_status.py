@@ -106,3 +106,17 @@ def test_the_step_shown_is_never_behind_the_last_committed_checkpoint(tmp_path):
     s = summary(tmp_path, now=4601.0)
     assert s["step"] == 420 and s["last_checkpoint"]["step"] == 420
     assert "step             420 / 1000" in render(s)
+
+
+def test_the_lemon_list_shows_each_faulty_device_and_how_long_it_sits_out(tmp_path):
+    lemons = {"node 0 device 1": {"node": 0, "device": 1, "quarantines": 1, "quarantined_until_unix_s": 4600.0 + 3600,
+                                  "reason": "a device fault", "faults": [{"kind": "rank_outlier", "step": 61,
+                                                                          "unix_s": 4600.0}]},
+              "node 0 device 3": {"node": 0, "device": 3, "quarantines": 0, "quarantined_until_unix_s": None,
+                                  "faults": [{"kind": "transient", "step": 70, "unix_s": 4000.0}]}}
+    _state(tmp_path, lemons=lemons)
+    s = summary(tmp_path, now=4601.0)
+    assert s["lemons"]["node 0 device 1"]["quarantined_for_s"] == 3599.0
+    text = render(s)
+    assert "1 fault(s), quarantined 1x; left out for 59m59s more (a device fault)" in text
+    assert "node 0 device 3" in text and "quarantined 0x; in the run" in text

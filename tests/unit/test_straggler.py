@@ -76,4 +76,4 @@ def test_the_config_is_checked():
     from contracts.errors import ConfigError
 
     with pytest.raises(ConfigError, match="straggler_action"):
-        cfg('health.straggler_action="exclude"')
+        cfg('health.straggler_action="drop"')
