@@ -257,18 +257,22 @@ class Coordinator:
         return bool(self.lease) and kv.lease == self.lease and isinstance(value, dict) and \
             value.get("daemon") == self.daemon
 
-    def campaign(self, now: float) -> bool:
+    def campaign(self, now: float, passed_over: frozenset[int] = frozenset()) -> bool:
         """Where no leader key stands and it is this node's turn (lower-ranked live nodes first, for
         PREFER_LOWER_S), tries to become the decider (a create-if-absent bound to its lease). True
-        if this daemon decides now."""
+        if this daemon decides now. `passed_over`: nodes that do not decide (quarantined machines): they
+        neither campaign nor are waited for."""
         if self.holds_leadership(now):
             return True
+        if self.node in passed_over:
+            return False
         live = set(self.live_nodes())
         with self._lock:               # the mirror says who was seen and since when absent; never seen: from now
             for n in range(self.node):
                 if n not in live:
                     self._absent_since.setdefault(n, now)
-            waits = any(n in live or now - self._absent_since[n] < self._preference_s(n) for n in range(self.node))
+            waits = any(n not in passed_over and (n in live or now - self._absent_since[n] < self._preference_s(n))
+                        for n in range(self.node))
         if self.leader() is not None or self.node not in live or waits:
             return False
         value = {"node": self.node, "addr": self.addr, "daemon": self.daemon}
@@ -280,6 +284,18 @@ class Coordinator:
                 self._mirror["leader"] = KeyValue(self._key("leader").encode(), json.dumps(value).encode(),
                                                   revision, revision, self.lease)
         return won
+
+    def resign(self) -> bool:
+        """This daemon stops deciding (its machine is quarantined): its leader key deleted, fenced by its
+        token; the others elect at once. False when it did not decide."""
+        try:
+            done = self._fenced([op_delete(self._key("leader"))])
+        except NotLeaderError:
+            return False
+        with self._lock:
+            self.token = 0
+            self._mirror.pop("leader", None)
+        return done
 
     def _preference_s(self, node: int) -> float:
         """How long a lower-ranked node may be absent before this one campaigns: a node this daemon

@@ -65,10 +65,13 @@ class GenerationHandshake:
         if members is None:
             return None
         held = quarantine.excluded_nodes(ledger.state.lemons, time.time()) & set(members)
-        if self.coord.node in held:              # the decider's own machine: it runs the scheduler, it stays
-            held.discard(self.coord.node)
+        if self.coord.node in held:              # the decider's own machine: another decides, this one waits
+            if set(members) - held and self._resign(ledger):
+                return BecameLeader()
+            held.discard(self.coord.node)        # no one else to decide: it stays in while it decides
             ledger.emit("quarantine_deferred", level="warning", node=self.coord.node,
-                        detail="this decider's own machine is quarantined; it stays in the run while it decides")
+                        detail="this decider's own machine is quarantined and no other machine can decide: it "
+                               "stays in the run")
         if held:                                 # machines judged faulty sit out their probation
             members = tuple(m for m in members if m not in held)
             if len(members) < self.cfg.run.quorum:
@@ -76,8 +79,6 @@ class GenerationHandshake:
                     f"nodes {sorted(held)} are quarantined and the {len(members)} left are fewer than run.min_nodes "
                     f"= {self.cfg.run.quorum}; replace them, or take them back by removing their entries from the "
                     "lemon list (state.json `lemons`)", ExitCode.CONFIG_ERROR)
-            ledger.emit("nodes_quarantined", level="warning", members=list(members), left_out=sorted(held),
-                        detail=f"nodes {sorted(held)} are quarantined: left out of this generation")
         cfg = self._shaped(base, ledger.state.config_changes, members, self.coord.addr)
         if not self._confirmed(ledger):          # the shared files are the decider's to write
             return BecameLeader()
@@ -94,7 +95,10 @@ class GenerationHandshake:
         before = self.members
         self._set_generation(ledger, number, members)
         self.led = number
-        if len(members) < self.cfg.run.nodes:          # said as the new generation's
+        if held:                                       # said as the new generation's
+            ledger.emit("nodes_quarantined", level="warning", members=list(members), left_out=sorted(held),
+                        detail=f"nodes {sorted(held)} are quarantined: left out of this generation")
+        if len(members) < self.cfg.run.nodes:
             ledger.emit("nodes_shrunk", level="warning", members=list(members),
                         lost=sorted(set(range(self.cfg.run.nodes)) - set(members)), dp=cfg.parallel.dp,
                         micro_batch=cfg.train.micro_batch, grad_accum_steps=cfg.train.grad_accum_steps,
@@ -103,6 +107,16 @@ class GenerationHandshake:
             ledger.emit("nodes_rejoined", members=list(members), dp=cfg.parallel.dp)
         return Opened(number, cfg.run.master_port, resume, cfg, self._ranks(members), members, scheduler=True,
                       homes=quarantine.homes(cfg, (), members))
+
+    def _resign(self, ledger: Ledger) -> bool:
+        try:
+            resigned = self.coord.resign()
+        except EtcdError:
+            return False
+        if resigned:
+            ledger.emit("resigned", level="warning", node=self.coord.node,
+                        detail=f"node {self.coord.node} is quarantined: it stops deciding and waits out its probation")
+        return resigned
 
     def _confirmed(self, ledger: Ledger) -> bool:
         try:

@@ -16,12 +16,12 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 from checkpointing import layout
 from contracts.config import EMBEDDED, Config, config_hash
 from contracts.protocol import ExitCode
-from daemon import watch
+from daemon import quarantine, watch
 from daemon.etcd_client import Etcd, EtcdError, compare_modified, compare_none_under, op_delete_prefix, op_put
 from daemon.embedded_etcd import EmbeddedMember
 from daemon.etcd_keys import Coordinator, NotLeaderError, decode
@@ -76,7 +76,7 @@ class Membership:
             self.joined_at = json.loads(generation.value).get("number", 0) if generation else 0
             self.joined_revision = revision
             self.coord.join()
-            elected = self.coord.campaign(self.clock())
+            elected = self.coord.campaign(self.clock(), _passed_over(ledger.state.lemons))
         except EtcdError as e:
             raise PeersUnavailableError(f"run.coordinator {self.cfg.run.coordinator}: {e}", ExitCode.TEMP_FAIL) from e
         ledger.emit("node_joined", node=self.coord.node, nodes=self.cfg.run.nodes, addr=self.coord.addr,
@@ -162,9 +162,10 @@ class Membership:
     def live(self) -> list[int]:
         return [n for n in self.coord.live_nodes() if 0 <= n < self.cfg.run.nodes]
 
-    def campaign(self, now: float) -> bool:
+    def campaign(self, now: float, lemons: Mapping[str, Any] | None = None) -> bool:
+        """Campaign to decide, passing over machines quarantined on the lemon list (daemon.quarantine)."""
         try:
-            return self.coord.campaign(now)
+            return self.coord.campaign(now, _passed_over(lemons or {}))
         except EtcdError:
             return False
 
@@ -215,7 +216,7 @@ class Membership:
             self.check_coordinator(now)
             if follower and self.is_leader:          # it decides (elected since, or all along)
                 return BecameLeader()
-            if follower and self._leaderless(ledger, now) and self.campaign(now):
+            if follower and self._leaderless(ledger, now) and self.campaign(now, ledger.state.lemons):
                 self._leaderless_since = None
                 ledger.emit("elected", node=self.coord.node, addr=self.coord.addr,
                             detail=f"node {self.coord.node} decides for the run now")
@@ -306,3 +307,8 @@ def _alive(pid) -> bool:
     except (OSError, TypeError, ValueError):
         return False
     return True
+
+
+def _passed_over(lemons: Mapping[str, Any]) -> frozenset[int]:
+    """Machines that do not decide now: those the lemon list quarantines."""
+    return frozenset(quarantine.excluded_nodes(lemons, time.time()))

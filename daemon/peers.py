@@ -105,6 +105,9 @@ class Alone:
 
     def __init__(self, env: Mapping[str, str] | None = None):
         self.env = dict(os.environ if env is None else env)
+        self.left_out: set[int] = set()        # this generation's quarantined devices (their probation: `hear`)
+        self.lemons: Mapping = {}              # the run state's lemon list
+        self.back: set[int] = set()            # devices whose probation ended during the last generation
 
     def start(self, ledger: Ledger, files: RunFiles) -> None:
         pass
@@ -120,7 +123,12 @@ class Alone:
         if isinstance(shaped, str):
             raise PeersUnavailableError(shaped, ExitCode.CONFIG_ERROR)
         cfg, left = shaped
-        if left_out & set(devices):
+        self.left_out, self.lemons = left_out & set(devices), ledger.state.lemons
+        if self.back:
+            ledger.emit("devices_back", devices=list(left), back=sorted(self.back), dp=cfg.parallel.dp,
+                        detail=f"devices {sorted(self.back)} are back from quarantine, on probation")
+            self.back = set()
+        if self.left_out:
             ledger.emit("devices_quarantined", level="warning", devices=list(left), left_out=sorted(left_out),
                         dp=cfg.parallel.dp, micro_batch=cfg.train.micro_batch, grad_accum_steps=cfg.train.grad_accum_steps,
                         detail=f"training on devices {list(left)} of {list(devices)}: {sorted(left_out)} quarantined, "
@@ -135,6 +143,11 @@ class Alone:
         return False
 
     def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
+        """A quarantined device's probation is over: regroup (the ranks save, the next generation takes it back)."""
+        if self.left_out and (back := self.left_out - quarantine.excluded_devices(self.lemons, 0, time.time())):
+            self.left_out -= back
+            self.back = back
+            return watch.Regroup(None, tuple(sorted(back)))
         return None
 
     def requests(self) -> list[Request]:

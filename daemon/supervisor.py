@@ -130,7 +130,7 @@ class Supervisor:
                 if isinstance(outcome, (watch.Finished, watch.Stopped, watch.WorkerFailed, watch.Ended)):
                     return decisions.end_as(outcome, self.ledger, stop_code=self.stop_code,
                                             stop_reason=self.stop_reason)
-                if isinstance(outcome, watch.Regroup):        # multi-node: a lost node is back
+                if isinstance(outcome, watch.Regroup):        # a lost node, or a quarantined device, is back
                     continue
                 code = self._wait_for_resume() if isinstance(outcome, watch.Released) else self._recover(outcome.incident)
             except peers.PeersUnavailableError as e:     # too few nodes, or etcd gone too long

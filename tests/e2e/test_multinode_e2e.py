@@ -3,7 +3,8 @@ a real etcd: two hosts (etcd on host 0) train as one (losses equal one host with
 ride out faults together (a rank or a daemon killed, etcd down, a NaN, a cut link, a stop on host
 1); three hosts on an embedded etcd lose host 0 for good, elect another decider, go on with two at
 the same global batch, and take it back; a partitioned decider stops its ranks and commits
-nothing; an impostor is refused; a crash loop ends every host with 3."""
+nothing; an impostor is refused; a crash loop ends every host with 3; a faulty device on the deciding host
+is found, its host quarantined, and the other host decides and trains on."""
 import datetime
 import json
 import os
@@ -352,3 +353,46 @@ def test_a_crash_loop_ends_every_host_with_3(cli, quiet_env, tmp_path, stdlib_co
     for node in (0, 1):
         final = [e for e in _events(run, node) if e["event"] == "daemon_exit"][-1]
         assert (final["code"], final["reason"]) == (3, "crash_loop"), final
+
+
+def test_a_faulty_device_on_the_deciding_host_is_found_its_host_quarantined_and_the_other_decides_and_trains_on(
+        cli, quiet_env, tmp_path, stdlib_corpus, hosts, etcd):
+    """Host 0 (the decider) turns faulty at step 35 (its rank's gradients x32 every step). Its rank stands out;
+    the rerun repeats it, the rotated rerun finds it stays with rank 0: a device fault. Host 0 is quarantined:
+    it stops deciding, host 1 is elected and trains on alone at the same global batch; host 0 waits out its
+    probation and ends with the run."""
+    from daemon import control
+
+    run = tmp_path / "run"
+    more = ["train.steps=60", "run.min_nodes=1", "health.allow_fault_injection=true", "run.node_rejoin_timeout_s=5"]
+    nodes = [_start_node(cli, quiet_env, hosts, etcd, i, run, stdlib_corpus, tmp_path, *more) for i in (0, 1)]
+    try:
+        wait_for(lambda: len(_steps(run / "logs" / "node-0" / "rank-0.log")) >= 3, 300, "step 3 on host 0")
+        control.write_request(run / "nodes" / "node-0" / "control", "inject",
+                              {"fault": "faulty-rank", "rank": 0, "at_step": 35})
+        codes = _finish(nodes, 500)
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], [(tmp_path / f"node-{i}.out").read_text()[-3000:] for i in (0, 1)]
+    ev = {i: _events(run, i) for i in (0, 1)}
+    named = lambda i, name: [e for e in ev[i] if e["event"] == name]
+    assert [t["verdict"] for t in named(0, "triage")][-2:] == ["deterministic", "device"]
+    [decided] = [e for e in named(0, "incident") if (e["action"] or {}).get("exclude")]
+    assert decided["kind"] == "rank_outlier" and decided["action"]["exclude"] == [0]
+    assert decided["action"]["skip"] is None and decided["action"]["lr_overrides"] == []
+    assert [e["node"] for e in named(0, "resigned")] == [0]
+    assert [e["node"] for e in named(1, "elected")] == [1]
+    [shrunk] = named(1, "nodes_quarantined")
+    assert shrunk["members"] == [1] and shrunk["left_out"] == [0]
+    for i in (0, 1):             # both daemons hold the lemon list (a decider elected later knows it)
+        lemons = json.loads((run / "nodes" / f"node-{i}" / "state.json").read_text())["lemons"]
+        assert lemons["node 0"]["quarantines"] == 1 and lemons["node 0"]["device"] is None
+    alone = [e for e in _steps(run / "logs" / "node-1" / "rank-0.log") if e["generation"] == shrunk["generation"]]
+    assert alone and max(e["step"] for e in alone) == 60 and min(e["step"] for e in alone) == \
+        decided["action"]["checkpoint_step"] + 1
+    assert all(e["lr_multiplier"] == 1.0 and e["sample_end"] - e["sample_start"] == 8 for e in alone)
+    assert not [e for e in named(0, "generation_start") if e["generation"] >= shrunk["generation"]]
+    for node in (0, 1):
+        assert [e["reason"] for e in named(node, "daemon_exit")][-1:] == ["finished"]

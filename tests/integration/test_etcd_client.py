@@ -136,6 +136,24 @@ def test_a_decider_seen_leaving_is_replaced_a_second_after_its_key_goes_whicheve
     follower.leave()
 
 
+def test_a_quarantined_decider_resigns_and_a_live_machine_after_it_decides_at_once_passing_it_over(etcd):
+    now = [1000.0]
+    decider, follower = _coordinator(etcd, 0, lambda: now[0]), _coordinator(etcd, 1, lambda: now[0])
+    decider.join()
+    follower.join()
+    assert decider.campaign(now[0])
+    _until(lambda: follower.leader() is not None and 0 in follower.live_nodes())
+    assert not follower.campaign(now[0], frozenset({0}))     # a leader key stands: none
+    assert decider.resign() and not decider.holds_leadership(now[0])
+    _until(lambda: follower.leader() is None)
+    assert not decider.campaign(now[0], frozenset({0}))      # quarantined: it does not campaign
+    assert not follower.campaign(now[0])                     # node 0 is live: without the lemon list, it waits
+    assert follower.campaign(now[0], frozenset({0}))         # with it: node 0 is passed over, node 1 decides
+    assert not decider.resign()                              # no longer its to give up
+    decider.leave()
+    follower.leave()
+
+
 def _until(ready, timeout_s=20.0):
     deadline = time.monotonic() + timeout_s
     while not ready():

@@ -192,3 +192,15 @@ def test_transient_faults_on_one_device_quarantine_it_at_the_threshold_and_a_reb
     rebuilt, _ = state_from_events(read_events(run / "logs" / "events.jsonl"))
     assert rebuilt.lemons["node 0 device 5"]["quarantines"] == 1
     assert len(rebuilt.lemons["node 0 device 5"]["faults"]) == 2
+
+
+def test_one_machine_regroups_when_a_quarantined_devices_probation_ends():
+    from daemon.peers import Alone
+
+    alone = Alone({})
+    alone.left_out = {1}
+    alone.lemons = {"node 0 device 1": {"node": 0, "device": 1, "quarantined_until_unix_s": 4e9}}
+    assert alone.hear(1, 0.0) is None                                   # still on probation
+    alone.lemons["node 0 device 1"]["quarantined_until_unix_s"] = 1.0    # over
+    assert alone.hear(1, 0.0) == watch.Regroup(None, (1,))
+    assert alone.hear(1, 0.0) is None and alone.back == {1}
