@@ -584,8 +584,8 @@ def _check_cross_section(cfg: Config) -> None:
         _fail(f"train.recompute_num_layers = {t.recompute_num_layers} exceeds model.num_layers = {m.num_layers}")
     if p.world_size % cfg.run.nodes:
         _fail(f"parallel.dp x tp x pp = {p.world_size} ranks do not divide over run.nodes = {cfg.run.nodes}")
-    if cfg.run.devices and len(device_ids(cfg.run.devices)) != p.world_size // cfg.run.nodes:
-        _fail(f"run.devices = {cfg.run.devices!r} names {len(device_ids(cfg.run.devices))} device(s) for the "
+    if cfg.run.devices and (named := len(device_ids(cfg.run.devices))) != p.world_size // cfg.run.nodes:
+        _fail(f"run.devices = {cfg.run.devices!r} names {named} device(s) for the "
               f"{p.world_size // cfg.run.nodes} ranks of each machine (dp x tp x pp / run.nodes): one per rank")
     if cfg.run.quorum < cfg.run.nodes:
         _check_elastic(cfg)

@@ -189,7 +189,7 @@ class Ledger:
                           f"transient_faults_to_quarantine = {health.transient_faults_to_quarantine})")
                 self.state.quarantine(node, device, kind="transient", step=step, unix_s=now,
                                       for_s=health.quarantine_probation_s, reason=reason, counted=True)
-                self.emit("quarantined", level="warning", node=node, device=device if device >= 0 else None,
+                self.emit("quarantined", level="warning", node=node, device=quarantine.as_device(device),
                           until_unix_s=now + health.quarantine_probation_s, detail=reason + ": left out from the "
                           "next generation")
 

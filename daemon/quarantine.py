@@ -34,7 +34,13 @@ def machine_devices(cfg: Config, env: Mapping[str, str]) -> tuple[int, ...]:
     return ids[:per_node] if len(ids) >= per_node else tuple(range(per_node))
 
 
+def as_device(device: int | None) -> int | None:
+    """A device id, or None for the whole machine (homes name another machine's ranks' device -1)."""
+    return None if device is None or device < 0 else int(device)
+
+
 def key(node: int, device: int | None) -> str:
+    device = as_device(device)
     return f"node {node}" if device is None else f"node {node} device {device}"
 
 

@@ -29,7 +29,7 @@ from contracts.errors import DataError
 from contracts.protocol import DATA_FAULTS, RecoveryDirective, RerunDirective
 from daemon.eventlog import non_finite_floats, strict_json
 from daemon.incidents import Incident, IncidentRecord, Rerun, Restart, Rollback
-from daemon.quarantine import key as quarantine_key
+from daemon.quarantine import as_device, key as quarantine_key
 from daemon.policy import merge_recovery
 from durable import fsync_path, write_atomically
 
@@ -204,9 +204,8 @@ class RunState:
 
     def note_fault(self, node: int, device: int | None, *, kind: str, step: int, unix_s: float) -> dict[str, Any]:
         """A fault counted against a device (None, or < 0: the machine) on the lemon list; its entry."""
-        device = None if device is None or device < 0 else int(device)
         entry = self.lemons.setdefault(quarantine_key(node, device), {
-            "node": int(node), "device": device, "faults": [], "quarantines": 0, "quarantined_until_unix_s": None})
+            "node": int(node), "device": as_device(device), "faults": [], "quarantines": 0, "quarantined_until_unix_s": None})
         entry["faults"] = [*entry["faults"], {"kind": kind, "step": step, "unix_s": unix_s}][-50:]
         return entry
 
@@ -214,7 +213,6 @@ class RunState:
                    reason: str, counted: bool = False) -> None:
         """A device (machine) judged faulty: left out of the generations until unix_s + for_s (`counted`: its
         fault is on the list already)."""
-        device = None if device is None or device < 0 else int(device)
         entry = self.lemons.get(quarantine_key(node, device)) if counted else None
         entry = entry or self.note_fault(node, device, kind=kind, step=step, unix_s=unix_s)
         entry.update(quarantined_until_unix_s=unix_s + for_s, quarantines=entry["quarantines"] + 1, reason=reason)

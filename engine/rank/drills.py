@@ -42,8 +42,7 @@ import time
 
 from pathlib import Path
 
-from contracts.protocol import (DATA_FAULTS, ENV_DEVICE, ENV_MEMORY_LIMIT, ENV_NODE, ENV_RERUN, InjectRequest,
-                                RerunDirective)
+from contracts.protocol import DATA_FAULTS, ENV_DEVICE, ENV_MEMORY_LIMIT, ENV_NODE, InjectRequest, RerunDirective
 
 # 1.0f with bit 30 (the exponent's top bit) flipped: 0x3F800000 ^ 0x40000000 = 0x7F800000, +inf
 FLIPPED_ONE = struct.unpack("<f", struct.pack("<I", 0x3F800000 ^ (1 << 30)))[0]
@@ -61,18 +60,10 @@ class Drill:
         return self.first_step <= step < self.first_step + self.steps
 
 
-def read_rerun(env) -> RerunDirective | None:
-    """The rerun directive of a generation that reruns an incident's steps, if this is one."""
-    path = env.get(ENV_RERUN)
-    if not path or not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return RerunDirective.from_json(f.read())
-
-
 class Drills:
     def __init__(self, *, rank: int, allowed: bool, env=os.environ, log=None, dp: int = 1,
-                 marks: Path | None = None):
+                 marks: Path | None = None, rerun: RerunDirective | None = None):
+        """`rerun`: this generation's rerun directive (contracts.protocol.RerunDirective), if it reruns."""
         self.rank, self.allowed, self.env, self.dp = rank, allowed, env, dp
         self.pending: list[Drill] = []
         self.log = log or (lambda msg: print(f"llm-pretrain: {msg}", file=sys.stderr, flush=True))
@@ -82,7 +73,7 @@ class Drills:
         if self.faulty:
             self.log(f"drill: device {device} of this machine is faulty (faulty-rank): rank {rank}'s gradients "
                      f"x{FAULTY:g} every step")
-        self._read_again(read_rerun(env) if allowed else None)
+        self._read_again(rerun if allowed else None)
 
     def _read_again(self, rerun: RerunDirective | None) -> None:
         """A generation that reruns an incident's steps reads the data drills among them again (bad data is

@@ -26,12 +26,14 @@ from contracts.protocol import (
     ENV_EVENT_SOCKET,
     ENV_GENERATION,
     ENV_RECOVERY,
+    ENV_RERUN,
     DataFaultEvent,
     EvalEvent,
     ExitEvent,
     FingerprintEvent,
     PhaseEvent,
     RecoveryDirective,
+    RerunDirective,
     StepEvent,
 )
 from engine.data import order
@@ -39,7 +41,7 @@ from engine.data.corpus_blocks import CorruptBlockError
 from engine.data.feed import FedStep, feed
 from engine.rank import runtime
 from engine.rank.commands import CommandReader
-from engine.rank.drills import Drills, read_rerun
+from engine.rank.drills import Drills
 from engine.rank.events import EventSink
 from engine.rank.startup import StartupClock
 from engine.rank.stop_signal import StopSignal
@@ -242,8 +244,9 @@ class RankRun:
         self.rank_info = rank_info
         self.generation = int(env.get(ENV_GENERATION, "0"))
         self.commands = CommandReader(env.get(ENV_COMMANDS), generation=self.generation)
+        self.rerun = _read_directive(env, ENV_RERUN, RerunDirective)    # a generation that reruns an incident's steps
         self.drills = Drills(rank=rank_info.rank, allowed=cfg.health.allow_fault_injection, env=env,
-                             dp=cfg.parallel.dp, marks=cfg.run.resolved_dir(env) / "drills")
+                             dp=cfg.parallel.dp, marks=cfg.run.resolved_dir(env) / "drills", rerun=self.rerun)
         self.applied = 0                  # the highest command sequence number applied
         self.cap_until = 0                # the step at which the recovery's loss-scale cap is lifted (0: none)
         self.simulated = bool(env.get("MS_SIMULATION_LEVEL"))   # `plan --dry-run`: one compiled step, nothing saved
@@ -297,9 +300,9 @@ class RankRun:
             count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
             print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr,
                   flush=True)
-        if (rerun := read_rerun(env)) is not None and rerun.rotate:
-            trainer.rotate(rerun.rotate, rerun.first_step, rerun.last_step)
-        recovery = _read_recovery(env)
+        if self.rerun is not None and self.rerun.rotate:
+            trainer.rotate(self.rerun.rotate, self.rerun.first_step, self.rerun.last_step)
+        recovery = _read_directive(env, ENV_RECOVERY, RecoveryDirective)
         if recovery:
             self.cap_until = trainer.apply_recovery(recovery, restored["step"] if restored else 0)
 
@@ -462,12 +465,14 @@ def _hold(commands: CommandReader, applied: int, stop: StopSignal, poll_s: float
         time.sleep(poll_s)
 
 
-def _read_recovery(env) -> RecoveryDirective | None:
-    path = env.get(ENV_RECOVERY)
+def _read_directive(env, variable: str, kind):
+    """The daemon's directive for this generation (a RecoveryDirective or RerunDirective) from the JSON file
+    `variable` names; None when there is none."""
+    path = env.get(variable)
     if not path or not os.path.exists(path):
         return None
     with open(path) as f:
-        return RecoveryDirective.from_json(f.read())
+        return kind.from_json(f.read())
 
 
 class CheckpointSaveError(RuntimeError):
