@@ -250,7 +250,7 @@ class Watch:
         self.last_step = 0
         self.last_step_at = now               # when the watched rank last completed a step (or the start)
         self._committed_step = 0
-        self._unsettled: set[int] = set()            # checkpoint steps staged, neither committed nor failed
+        self._unsettled: set[tuple[int, int]] = set()  # (step, rank) staged and still this rank's to finish
         self.stop_reason: str | None = None
         self.stop_sent_at: float | None = None
         self.forced = False
@@ -427,16 +427,21 @@ class Watch:
 
     @property
     def saving(self) -> bool:
-        """A checkpoint is being written: staged by a rank, not yet committed or failed."""
+        """A checkpoint is being written here: staged by one of this node's ranks and not yet finished
+        by it. Rank 0 commits, so its part ends with the commit (or failure); another rank's ends once its
+        shard is written (durable: what is left is the committer's, on this node or another — a
+        follower node's watch never sees the commit, and waited out a grace after every failure)."""
         return bool(self._unsettled)
 
     def _checkpoint(self, ev: CheckpointEvent) -> None:
         if ev.rank == self.watched and ev.stage in _SAVING:
             self._do(Saving(*_SAVING[ev.stage], ev.step, ev.seconds))
         if ev.stage == "staged":
-            self._unsettled.add(ev.step)
+            self._unsettled.add((ev.step, ev.rank))
+        elif ev.stage == "written" and ev.rank != 0:
+            self._unsettled.discard((ev.step, ev.rank))
         elif ev.stage in ("committed", "failed", "exists"):
-            self._unsettled = {s for s in self._unsettled if s > ev.step}
+            self._unsettled = {(s, r) for s, r in self._unsettled if s > ev.step}
         if ev.stage == "committed":
             self._committed_step = max(self._committed_step, ev.step)
             self._do(Committed(ev.step, max(self.last_step, ev.step), ev.rank, ev.detail))

@@ -345,7 +345,9 @@ def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
     ckpt(10, "staged"), ckpt(10, "staged", rank=1)
     assert w.saving
     ckpt(10, "written")
-    assert w.saving                       # one shard durable is not a checkpoint
+    assert w.saving                       # rank 0's shard durable is not a checkpoint: it commits
+    ckpt(10, "written", rank=1)
+    assert w.saving
     ckpt(10, "committed")
     assert not w.saving
     ckpt(20, "staged")
@@ -353,6 +355,20 @@ def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
     assert not w.saving
     ckpt(30, "staged")
     ckpt(30, "exists")                    # already committed (a save of a step restored from)
+    assert not w.saving
+
+
+def test_a_follower_nodes_rank_is_done_saving_once_its_shard_is_written():
+    """Rank 0 commits on another machine, so this node's watch never sees the commit: its ranks' part
+    ends with their shards written, or every failure after the first save waited out a grace."""
+    from contracts.protocol import CheckpointEvent
+
+    w = make(ranks=(2, 3))
+    ckpt = lambda step, stage, rank: w.on_event(CheckpointEvent(rank=rank, generation=1, step=step, stage=stage), 1.0)
+    ckpt(10, "staged", 2), ckpt(10, "staged", 3)
+    ckpt(10, "written", 2)
+    assert w.saving                       # rank 3 still writes
+    ckpt(10, "written", 3)
     assert not w.saving
 
 
