@@ -10,6 +10,7 @@ import enum
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -314,10 +315,13 @@ ENV_DEVICE = "LLM_PRETRAIN_DEVICE"               # the device this rank runs on 
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
 ENV_STANDBY_LATE = "LLM_PRETRAIN_STANDBY_LATE"   # "1": it forms its cluster once activated (several machines)
-# A local group (daemon/mindspore_env.py): ranks on one machine with no MindSpore cluster, summing through shared memory
-ENV_LOCAL_GROUP = "LLM_PRETRAIN_LOCAL_GROUP"     # path prefix of the group's shared-memory files
+ENV_LOG_PATH = "LLM_PRETRAIN_LOG_PATH"           # an activated late standby: the log its output goes to now
+# A local group (daemon/mindspore_env.py): CPU ranks with no MindSpore cluster, summing through shared memory on
+# one machine, through a TCP hub across several
+ENV_LOCAL_GROUP = "LLM_PRETRAIN_LOCAL_GROUP"     # path prefix of the group's shared-memory files; across machines its name
 ENV_LOCAL_RANK = "LLM_PRETRAIN_LOCAL_RANK"       # this rank, 0 .. world - 1
 ENV_LOCAL_WORLD = "LLM_PRETRAIN_LOCAL_WORLD"     # the ranks in the group
+ENV_GROUP_HUB = "LLM_PRETRAIN_GROUP_HUB"         # host:port of a group's TCP hub (ranks on several machines)
 
 
 def activation_line(env: dict[str, str]) -> bytes:
@@ -351,12 +355,18 @@ FAULTS = ("nan", "spike", "bitflip", "faulty-rank", "corrupt-weight", "hang", "c
 
 def take_environment(env: dict[str, str], spawned: set[str]) -> None:
     """Makes an activation's `env` this process's environment: of the variables the supervisor gave
-    (`spawned`) those it lacks go; only what differs is set (a library's threads may be reading it)."""
+    (`spawned`) those it lacks go; only what differs is set (a library's threads may be reading it).
+    A late standby activated as another rank (ENV_LOG_PATH) writes to that rank's log from here on."""
     for name in [k for k in spawned if k not in env]:
         os.environ.pop(name, None)
     for name, value in env.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
+    if log := os.environ.pop(ENV_LOG_PATH, None):     # started as another rank: its output goes to this one's log
+        sys.stdout.flush(), sys.stderr.flush()
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1), os.dup2(fd, 2)
+        os.close(fd)
 
 
 DEFAULT_DRILL_STEPS = {"nan": 1, "spike": 8, "bitflip": 1, "faulty-rank": 1, "corrupt-weight": 1, "slow": 100}

@@ -253,7 +253,7 @@ class Generation:
                 self.port = standby.port
                 return standby.port
         self.port = port
-        if cfg.parallel.world_size > 1 and scheduler_cmd and not mindspore_env.is_local_group(cfg) \
+        if cfg.parallel.world_size > 1 and scheduler_cmd and mindspore_env.needs_scheduler(cfg) \
                 and not any(w.role == "scheduler" for w in self.workers):      # a late standby's is running
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
         if standby is None:
@@ -340,7 +340,7 @@ class Generation:
         stop_all(self.workers, grace_s=self.grace_s)
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
-        if self.port is not None and mindspore_env.is_local_group(self.cfg):
+        if self.port is not None and mindspore_env.is_local_group(self.cfg) and not mindspore_env.has_hub(self.cfg):
             mindspore_env.remove_group_files(mindspore_env.local_group_prefix(port=self.port, generation=self.number))
         self.final_memory = self.memory_report()
         for w in self.ranks:
@@ -359,7 +359,8 @@ def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, ge
     if world == 1:
         return {**placed, ENV_GENERATION: str(generation)}
     if mindspore_env.is_local_group(cfg):
-        return mindspore_env.local_group_env(placed, rank=rank, world=world, port=port, generation=generation)
+        return mindspore_env.local_group_env(placed, rank=rank, world=world, port=port, generation=generation,
+                                             hub_host=cfg.run.master_addr if mindspore_env.has_hub(cfg) else None)
     return mindspore_env.process_env(placed, role=mindspore_env.WORKER, sched_host=cfg.run.master_addr,
                                      sched_port=port, worker_num=world, local_worker_num=world // cfg.run.nodes,
                                      node_id=rank, generation=generation)

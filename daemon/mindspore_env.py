@@ -12,7 +12,10 @@ nothing of MindSpore's cluster, whose formation was most of a cold start (a
 fixed sleep inside MindSpore's CPU collectives among it; README, Performance). Such a
 generation starts no scheduler; each rank gets its rank, the world and the
 group's file prefix, new for every generation, which the daemon removes when
-the generation ends.
+the generation ends. On several CPU machines the group sums through a TCP hub
+(engine/training/hub_reduce.py) that the decider's machine starts where
+MindSpore's scheduler would be, at the generation's scheduler address; the
+ranks get its address and the group's name instead of a file prefix.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Mapping
 
 from contracts.config import Config
-from contracts.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
+from contracts.protocol import ENV_GENERATION, ENV_GROUP_HUB, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
 
 SHM_DIR = Path("/dev/shm")
 _GROUP_FILES = "llm-pretrain-reduce-{uid}-{pid}-"     # then the port and generation; the engine adds suffixes
@@ -71,10 +74,34 @@ def process_env(base: Mapping[str, str], *, role: str, sched_host: str, sched_po
 
 
 def is_local_group(cfg: Config) -> bool:
-    """Whether this node's ranks form a local group (see the module's docstring) rather than a
-    MindSpore cluster."""
-    return (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1
-            and cfg.parallel.world_size > 1 and cfg.parallel.tp == 1 and cfg.parallel.pp == 1)
+    """Whether the ranks form a local group (see the module's docstring) rather than a MindSpore
+    cluster: on one machine through shared memory, on several through a hub."""
+    return (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.parallel.world_size > 1
+            and cfg.parallel.tp == 1 and cfg.parallel.pp == 1)
+
+
+def has_hub(cfg: Config) -> bool:
+    """A local group across machines: it sums through a hub the scheduler's machine starts."""
+    return is_local_group(cfg) and cfg.run.nodes > 1
+
+
+def needs_scheduler(cfg: Config) -> bool:
+    """Whether the scheduler's machine starts a process for the generation: MindSpore's scheduler, or a
+    local group's hub across machines."""
+    return not is_local_group(cfg) or has_hub(cfg)
+
+
+def group_name(*, host: str, port: int, generation: int) -> str:
+    """A group across machines: what its hub and ranks call it (a rank of another generation is refused)."""
+    return f"g{generation}@{host}:{port}"
+
+
+def hub_env(base: Mapping[str, str], *, host: str, port: int, world: int, generation: int) -> dict[str, str]:
+    """The hub's environment (run as the scheduler: engine/rank/scheduler.py)."""
+    env = {k: v for k, v in base.items() if not k.startswith("MS_")}
+    env.update({ENV_GROUP_HUB: f"{host}:{port}", ENV_LOCAL_WORLD: str(world), ENV_GENERATION: str(generation),
+                ENV_LOCAL_GROUP: group_name(host=host, port=port, generation=generation)})
+    return env
 
 
 def local_group_prefix(*, port: int, generation: int, pid: int | None = None) -> Path:
@@ -84,12 +111,19 @@ def local_group_prefix(*, port: int, generation: int, pid: int | None = None) ->
     return SHM_DIR / (_GROUP_FILES.format(uid=os.getuid(), pid=pid) + f"{port}-g{generation}")
 
 
-def local_group_env(base: Mapping[str, str], *, rank: int, world: int, port: int, generation: int) -> dict[str, str]:
-    """A local group's rank: `base` less any MindSpore cluster variables, plus the group's."""
+def local_group_env(base: Mapping[str, str], *, rank: int, world: int, port: int, generation: int,
+                    hub_host: str | None = None) -> dict[str, str]:
+    """A local group's rank: `base` less any MindSpore cluster variables, plus the group's (with
+    `hub_host`, across machines: the hub's address and the group's name)."""
     env = {k: v for k, v in base.items() if k not in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT",
-                                                        "MS_WORKER_NUM", "MS_LOCAL_WORKER_NUM", "MS_NODE_ID")}
-    env.update({ENV_LOCAL_GROUP: str(local_group_prefix(port=port, generation=generation)),
-                ENV_LOCAL_RANK: str(rank), ENV_LOCAL_WORLD: str(world), ENV_GENERATION: str(generation)})
+                                                        "MS_WORKER_NUM", "MS_LOCAL_WORKER_NUM", "MS_NODE_ID",
+                                                        ENV_GROUP_HUB)}
+    name = (str(local_group_prefix(port=port, generation=generation)) if hub_host is None
+            else group_name(host=hub_host, port=port, generation=generation))
+    env.update({ENV_LOCAL_GROUP: name, ENV_LOCAL_RANK: str(rank), ENV_LOCAL_WORLD: str(world),
+                ENV_GENERATION: str(generation)})
+    if hub_host is not None:
+        env[ENV_GROUP_HUB] = f"{hub_host}:{port}"
     return env
 
 

@@ -153,14 +153,22 @@ class RunFiles:
 
     def scheduler_env(self, env: Mapping[str, str], cfg: Config, *, port: int, generation: int) -> dict[str, str]:
         world = cfg.parallel.world_size
+        if mindspore_env.has_hub(cfg):
+            return mindspore_env.hub_env(env, host=cfg.run.master_addr, port=port, world=world, generation=generation)
         return mindspore_env.process_env(env, role=mindspore_env.SCHEDULER, sched_host=cfg.run.master_addr, sched_port=port,
                                    worker_num=world, local_worker_num=world // cfg.run.nodes, generation=generation)
 
     def compile_cache_dir(self, cfg: Config) -> Path:
         """One cache per graph-shaping config: MindSpore reuses a cached graph of another shape (say,
         before the policy halved the micro-batch) and then fails with "Parameter[N] has no default
-        param". Keyed by every section but the daemon's own."""
+        param". Keyed by every section but the daemon's own. A local group's graphs hold no
+        collective and no world size (engine/training/step.py): its data-parallel size and
+        accumulation shape them only through their product and whether each is above 1, so a run
+        shrunk or regrown by whole machines with the same micro-batch keeps its cache."""
         shaping = {k: v for k, v in cfg.to_dict().items() if k not in ("run", "health", "checkpoint")}
+        if mindspore_env.is_local_group(cfg):
+            dp, accum = shaping["parallel"].pop("dp"), shaping["train"].pop("grad_accum_steps")
+            shaping["per_update"] = [dp * accum, dp > 1, accum > 1]
         key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
         return self.run_dir / "compile_cache" / key
 

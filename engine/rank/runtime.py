@@ -18,7 +18,7 @@ from typing import Mapping
 
 from contracts.config import Config
 from contracts.errors import ConfigError
-from contracts.protocol import ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
+from contracts.protocol import ENV_GROUP_HUB, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
 from engine.layout import parallel
 
 
@@ -32,18 +32,21 @@ class RankInfo:
 
 @dataclasses.dataclass(frozen=True)
 class LocalGroup:
-    """Ranks the supervisor started on this machine without MindSpore's cluster (daemon/mindspore_env.py):
-    each knows its rank and the world from the environment, and they sum gradients through shared
-    memory under `prefix` (engine/training/local_reduce.py)."""
+    """Ranks the supervisor started without MindSpore's cluster (daemon/mindspore_env.py): each knows its
+    rank and the world from the environment, and they sum gradients through shared memory under
+    `prefix` (engine/training/local_reduce.py) or, on several machines, through the TCP hub at `hub`
+    (engine/training/hub_reduce.py; `prefix` is then the group's name)."""
     rank: int
     world: int
     prefix: str
+    hub: str | None = None
 
 
 def local_group(env: Mapping[str, str] = os.environ) -> LocalGroup | None:
     if not env.get(ENV_LOCAL_GROUP):
         return None
-    return LocalGroup(rank=int(env[ENV_LOCAL_RANK]), world=int(env[ENV_LOCAL_WORLD]), prefix=env[ENV_LOCAL_GROUP])
+    return LocalGroup(rank=int(env[ENV_LOCAL_RANK]), world=int(env[ENV_LOCAL_WORLD]), prefix=env[ENV_LOCAL_GROUP],
+                      hub=env.get(ENV_GROUP_HUB) or None)
 
 
 def is_cluster_member(env: Mapping[str, str] = os.environ) -> bool:
@@ -146,8 +149,8 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
 
     check_process_count(cfg, env)
     member, group = is_cluster_member(env), local_group(env)
-    if group is not None:
-        local_world = group.world
+    if group is not None:        # across machines, this machine's share of the group
+        local_world = group.world if group.hub is None else cfg.parallel.world_size // cfg.run.nodes
     else:
         local_world = int(env.get("MS_LOCAL_WORKER_NUM", env.get("MS_WORKER_NUM", "1"))) if member else 1
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -167,7 +170,7 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
         if group.world != cfg.parallel.world_size:
             raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} but the local group has "
                               f"{group.world} ranks ({ENV_LOCAL_WORLD}); they must match")
-        _bind(cfg, group.rank, group.world)
+        _bind(cfg, group.rank % local_world, local_world)
         return RankInfo(rank=group.rank, world_size=group.world, local_world_size=group.world, parallelism=decided)
     from mindspore import communication
 

@@ -1,4 +1,6 @@
-"""MindSpore's cluster scheduler process (MS_ROLE=MS_SCHED): joins the cluster and waits it out.
+"""MindSpore's cluster scheduler process (MS_ROLE=MS_SCHED): joins the cluster and waits it out;
+or, for CPU ranks summing over TCP across machines (ENV_GROUP_HUB), the group's gradient hub
+(engine/training/hub_reduce.py), which imports no MindSpore.
 
 Run as `python -m engine.rank.scheduler` with the dynamic-cluster environment; it
 returns when every worker has finished. A late standby's scheduler (daemon/standby.py: several
@@ -8,13 +10,26 @@ from __future__ import annotations
 
 import os
 
-import mindspore as ms
-from mindspore import communication
-
-from contracts.protocol import ENV_STANDBY_FD, await_activation, take_environment
+from contracts.protocol import (
+    ENV_GROUP_HUB,
+    ENV_LOCAL_GROUP,
+    ENV_LOCAL_WORLD,
+    ENV_STANDBY_FD,
+    await_activation,
+    take_environment,
+)
 
 
 def main() -> None:
+    if os.environ.get(ENV_GROUP_HUB):
+        from engine.training import hub_reduce
+
+        host, port = hub_reduce.parse_address(os.environ[ENV_GROUP_HUB])
+        hub_reduce.serve((host, port), world=int(os.environ[ENV_LOCAL_WORLD]), token=os.environ[ENV_LOCAL_GROUP])
+        return
+    import mindspore as ms
+    from mindspore import communication
+
     if os.environ.get(ENV_STANDBY_FD):
         spawned = set(os.environ)
         env = await_activation(int(os.environ[ENV_STANDBY_FD]))

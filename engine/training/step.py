@@ -59,10 +59,13 @@ class TrainStep(StepState):
         # writes its slot, the others 0): every rank learns every rank's, and the daemon can tell which rank
         # a fault came from (daemon.triage). Up to PER_RANK_MAX ranks.
         self.world = world if reduction.hand_all_reduce and 1 < world <= PER_RANK_MAX else 0
+        # PER_RANK_MAX slots whatever the world, so that the graphs do not depend on it: a run that shrinks
+        # or grows by whole machines with the same micro-batch reuses its compiled step (daemon.run_files)
+        self.slots = PER_RANK_MAX if self.world else 0
         # a Parameter, not a constant: a constant is baked into the compiled graph, and the compile cache,
         # shared by the ranks, would hand every rank the first one's mask after a restart
-        self.rank_mask = Parameter(Tensor(np.arange(self.world) == rank), name="rank_mask",
-                                   requires_grad=False) if self.world else None
+        self.rank_mask = Parameter(Tensor(np.arange(self.slots) == rank), name="rank_mask",
+                                   requires_grad=False) if self.slots else None
         # Control flags ride along with the step's own collectives: every rank learns,
         # after the same step, what any rank asked for (a stop signal, a command).
         # Summed, because CPU AllReduce does only sums: a flag set anywhere sums to > 0.
@@ -118,17 +121,17 @@ class TrainStep(StepState):
         says, 0 elsewhere — chosen, not multiplied, so that a non-finite value stays in its own slot."""
         flat = ops.concat([g.astype(ms.float32).reshape(-1) for g in grads])
         loss = loss.astype(ms.float32).reshape(1)
-        if not self.world:
+        if not self.slots:
             return ops.concat([flat, loss, control.astype(ms.float32)])
-        zeros = ops.zeros((self.world,), ms.float32)
-        mine = ops.concat([ops.select(self.rank_mask, ops.broadcast_to(loss, (self.world,)), zeros),
+        zeros = ops.zeros((self.slots,), ms.float32)
+        mine = ops.concat([ops.select(self.rank_mask, ops.broadcast_to(loss, (self.slots,)), zeros),
                            ops.select(self.rank_mask, ops.broadcast_to(ops.reduce_sum(ops.square(flat)).reshape(1),
-                                                                       (self.world,)), zeros)])
+                                                                       (self.slots,)), zeros)])
         return ops.concat([flat, loss, mine, control.astype(ms.float32)])
 
     def _split(self, summed):
         """A summed buffer → (flat gradients, loss, control flags, per-rank slots: losses then sums of squares)."""
-        n, w = self.grad_size, 2 * self.world
+        n, w = self.grad_size, 2 * self.slots
         slots = summed[n + 1:n + 1 + w] if w else self._no_slots()
         return summed[:n], summed[n], summed[n + 1 + w:].astype(ms.int32), slots
 
@@ -235,7 +238,8 @@ class TrainStep(StepState):
         if self.world:
             # the slots hold sums over this rank's micro-batches, scaled by the loss scale (and a drill's poison)
             rank_losses = [float(v) / self.accum_steps for v in slots[:self.world]]
-            rank_grad_norms = [float(np.sqrt(v)) / (float(scale) * self.accum_steps) for v in slots[self.world:]]
+            rank_grad_norms = [float(np.sqrt(v)) / (float(scale) * self.accum_steps)
+                               for v in slots[self.slots:self.slots + self.world]]
         return StepResult(loss=float(loss), grad_norm=float(grad_norm), loss_scale=float(scale),
                           skipped=bool(skipped), control=tuple(int(v) for v in agreed),
                           sync_s=time.perf_counter() - synced, rank_losses=rank_losses,
@@ -254,8 +258,9 @@ class TrainStep(StepState):
         local = local.asnumpy()
         if self.local is None:
             self.local = self._make_local(size=local.size)
-            print(f"llm-pretrain: rank {self.local.rank} sums gradients with its {self.local.world - 1} local "
-                  "peer(s) through shared memory", file=sys.stderr, flush=True)
+            how = "through shared memory" if isinstance(self.local, LocalAllReduce) else "through the group's hub"
+            print(f"llm-pretrain: rank {self.local.rank} sums gradients with its {self.local.world - 1} "
+                  f"peer(s) {how}", file=sys.stderr, flush=True)
         summed = self.local.all_reduce(local)
         return [*self._apply_summed(Tensor.from_numpy(summed), lr_t), synced]
 
@@ -285,7 +290,11 @@ def build_step(net: CausalLM, cfg: Config, parallelism: parallel.Parallelism, *,
         return ShardedTrainStep(net, cfg, parallelism, rank=rank, run_dir=cfg.run.resolved_dir())
     local = None
     group = runtime.local_group(env)
-    if group is not None:                  # the supervisor's local group: no MindSpore cluster
+    if group is not None and group.hub:    # the supervisor's group across machines: a TCP hub
+        from engine.training.hub_reduce import HubAllReduce
+
+        local = functools.partial(HubAllReduce, rank=rank, world=world, hub=group.hub, token=group.prefix)
+    elif group is not None:                # the supervisor's local group: no MindSpore cluster
         local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=Path(group.prefix))
     elif (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1 and world > 1
             and local_world == world and env.get("MS_SCHED_PORT")):     # under msrun: MindSpore's cluster

@@ -1,5 +1,6 @@
 """Hosts as network namespaces on a bridge, one daemon and one MindSpore rank each, agreeing through
-a real etcd: two hosts (etcd on host 0) train as one (losses equal one host with two ranks) and
+a real etcd: two hosts (etcd on host 0) train as one (losses equal one host with two ranks, through
+the gradient hub, and through MindSpore's own cluster) and
 ride out faults together (a rank or a daemon killed, etcd down, a NaN, a cut link, a stop on host
 1); three hosts on an embedded etcd lose host 0 for good, elect another decider, go on with two at
 the same global batch, and take it back; a partitioned decider stops its ranks and commits
@@ -245,14 +246,14 @@ def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_d
     assert not named(1, "decision_mismatch")
     for node in (0, 1):
         assert [e["reason"] for e in named(node, "daemon_exit")][-1] == "stopped"
-    # nothing committed was lost: each generation resumed from the newest commit before it (the
-    # rollback's, from the checkpoint it chose)
+    # nothing committed was lost: each generation resumed from the newest commit before it (a
+    # rollback's or a rerun's, from the checkpoint it chose: a commit may land after the incident's step)
     newest, target, resumed = 0, None, []
     for e in _events(run, 0):
         if e["event"] == "checkpoint_committed":
             newest = max(newest, e["step"])
-        elif e["event"] == "incident" and e.get("action", {}).get("type") == "rollback":
-            target = e["action"]["checkpoint_step"]
+        elif e["event"] == "incident" and e.get("action", {}).get("type") in ("rollback", "rerun"):
+            target = e["action"]["checkpoint_step"]       # a rerun, too, goes back to before its steps
         elif e["event"] == "generation_start" and e["generation"] > 1:
             resumed.append((e["resume_step"], target if target is not None else newest))
             newest, target = e["resume_step"], None
@@ -261,7 +262,8 @@ def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_d
     # node 0 decided each; host 1 applied each but the one decided while its daemon was dead
     assert kinds == [["non_finite", "crash", "node_lost", "node_lost"], ["non_finite", "crash", "node_lost"]], kinds
     # the first generation's losses equal one host with two ranks (the global batch and the data
-    # order do not depend on the topology), on both ranks
+    # order do not depend on the topology), on both ranks; the gradients went through the hub
+    assert "llm-pretrain hub: 2 ranks joined" in (run / "logs" / "node-0" / "scheduler.log").read_text()
     for log in rank_logs:
         got = {e["step"]: e["loss"] for e in _steps(log) if e["generation"] == 1 and e["step"] <= STEPS}
         assert sorted(got) == sorted(expected) and all(_close(got[s], expected[s]) for s in expected)
@@ -332,6 +334,32 @@ def test_a_partitioned_decider_stops_its_ranks_and_commits_nothing_the_others_go
     assert named(1, "nodes_rejoined") and named(0, "generation_start")[-1]["ranks"] == [0]
     for node in range(3):
         assert [e["reason"] for e in named(node, "daemon_exit")][-1:] == ["finished"]
+
+
+def test_two_hosts_on_mindspores_own_cluster_train_as_one_host_does(cli, quiet_env, tmp_path, stdlib_corpus, hosts,
+                                                                    etcd):
+    """`parallel.local_reduce = false`: MindSpore's scheduler on the decider's host and its AllReduce
+    between the hosts, not the gradient hub (the default, which the test above trains with)."""
+    reference = tmp_path / "reference"
+    done = subprocess.run([*cli, "run", "--log-format", "json", *_sets(stdlib_corpus, reference)], cwd=tmp_path,
+                          env=quiet_env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:]
+    expected = _losses(reference / "logs" / "rank-0.log")
+    run = tmp_path / "run"
+    nodes = [_start_node(cli, quiet_env, hosts, etcd, i, run, stdlib_corpus, tmp_path, "parallel.local_reduce=false")
+             for i in (0, 1)]
+    try:
+        assert _finish(nodes) == [0, 0], [(tmp_path / f"node-{i}.out").read_text()[-2000:] for i in (0, 1)]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert (run / "logs" / "node-0" / "scheduler.log").exists()          # MindSpore's scheduler ran there
+    assert "hub" not in (run / "logs" / "node-0" / "scheduler.log").read_text()
+    for i in (0, 1):
+        got = _losses(run / "logs" / f"node-{i}" / f"rank-{i}.log")
+        assert sorted(got) == sorted(expected)
+        assert all(_close(got[step], expected[step]) for step in expected), (i, got, expected)
 
 
 def test_a_crash_loop_ends_every_host_with_3(cli, quiet_env, tmp_path, stdlib_corpus, hosts, etcd):

@@ -46,6 +46,7 @@ from contracts.protocol import (
     ENV_COMMANDS,
     ENV_EVENT_SOCKET,
     ENV_GENERATION,
+    ENV_GROUP_HUB,
     ENV_LOCAL_GROUP,
     ENV_LOCAL_RANK,
     ENV_RECOVERY,
@@ -61,6 +62,7 @@ from contracts.protocol import (
     StepEvent,
     await_activation,
     send_datagram,
+    take_environment,
 )
 
 
@@ -132,12 +134,11 @@ def main() -> int:
         env = await_activation(int(os.environ[ENV_STANDBY_FD]))
         if env is None:
             return 0
-        os.environ.clear()
-        os.environ.update(env)
+        take_environment(env, set(os.environ))
 
     rank = _rank()
     generation = int(os.environ.get(ENV_GENERATION, "0"))
-    if os.environ.get(ENV_LOCAL_GROUP):        # a local group's rank maps its shared memory (never unlinked here)
+    if os.environ.get(ENV_LOCAL_GROUP) and not os.environ.get(ENV_GROUP_HUB):   # one machine's: its shared memory
         open(os.environ[ENV_LOCAL_GROUP] + ".seg", "ab").close()
         print(f"local group {os.environ[ENV_LOCAL_GROUP]}", flush=True)
     gens = {int(g) for g in a.fault_generations.split(",") if g}

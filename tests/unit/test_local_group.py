@@ -17,10 +17,34 @@ pytestmark = pytest.mark.unit
     (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=false"], False),   # MindSpore's AllReduce
     (["parallel.local_reduce=true"], False),                                           # one rank: no group
     (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=true", "run.nodes=2",
-      "run.coordinator=\"etcd://127.0.0.1:2379\"", "run.master_port=29500"], False),   # ranks on other machines
+      "run.coordinator=\"etcd://127.0.0.1:2379\"", "run.master_port=29500"], True),    # across machines: a hub
+    (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=false", "run.nodes=2",
+      "run.coordinator=\"etcd://127.0.0.1:2379\"", "run.master_port=29500"], False),
 ])
-def test_a_local_group_is_data_parallel_cpu_ranks_on_one_machine_with_the_shared_memory_sum(sets, local):
-    assert mindspore_env.is_local_group(load_config(None, sets)) is local
+def test_a_local_group_is_data_parallel_cpu_ranks_summing_without_mindsporess_cluster(sets, local):
+    cfg = load_config(None, sets)
+    assert mindspore_env.is_local_group(cfg) is local
+    assert mindspore_env.has_hub(cfg) is (local and cfg.run.nodes > 1)
+    # what the scheduler's machine starts: MindSpore's scheduler, or across machines the group's hub
+    assert mindspore_env.needs_scheduler(cfg) is (not local or cfg.run.nodes > 1)
+
+
+def test_across_machines_a_rank_gets_the_hub_of_its_generation_and_no_cluster_variables():
+    from contracts.protocol import ENV_GROUP_HUB
+
+    cfg = load_config(None, ["parallel.dp=4", "train.micro_batch=2", "run.nodes=2", "run.master_port=29500",
+                             "run.coordinator=\"etcd://127.0.0.1:2379\"", 'run.master_addr="10.0.0.7"'])
+    base = {"PATH": "/bin", "MS_ROLE": "MS_WORKER", "MS_SCHED_PORT": "1", "MS_WORKER_NUM": "4"}
+    env = worker_env(base, cfg, rank=3, port=4711, generation=5)
+    assert not {"MS_ROLE", "MS_SCHED_PORT", "MS_WORKER_NUM"} & set(env)
+    assert (env[ENV_LOCAL_RANK], env[ENV_LOCAL_WORLD], env[ENV_GROUP_HUB]) == ("3", "4", "10.0.0.7:4711")
+    assert runtime.local_group(env) == runtime.LocalGroup(rank=3, world=4, prefix=env[ENV_LOCAL_GROUP],
+                                                          hub="10.0.0.7:4711")
+    hub = mindspore_env.hub_env({**base, "PATH": "/bin"}, host="10.0.0.7", port=4711, world=4, generation=5)
+    assert hub[ENV_GROUP_HUB] == "10.0.0.7:4711" and hub[ENV_LOCAL_WORLD] == "4" and "MS_ROLE" not in hub
+    # hub and ranks name the same group, one another generation's rank does not (the hub refuses it)
+    assert hub[ENV_LOCAL_GROUP] == env[ENV_LOCAL_GROUP]
+    assert worker_env(base, cfg, rank=3, port=4711, generation=6)[ENV_LOCAL_GROUP] != hub[ENV_LOCAL_GROUP]
 
 
 def test_a_local_groups_rank_gets_its_rank_world_and_the_generations_files_and_no_cluster_variables():
@@ -68,3 +92,21 @@ def test_a_ranks_default_threads_are_its_share_of_the_cores_it_may_use():
     assert runtime.compute_threads(cfg, 1) == len(allowed)
     assert runtime.compute_threads(cfg, 2) == max(1, len(allowed) // 2)
     assert runtime.compute_threads(load_config(None, ["train.compute_threads=3"]), 2) == 3
+
+
+def test_a_local_group_shrunk_or_regrown_with_the_same_micro_batch_keeps_its_compile_cache(tmp_path):
+    """Its graphs hold no collective and no world size: the data-parallel size and accumulation shape
+    them only through their product (and whether each is above 1). MindSpore's cluster, another
+    micro-batch or a step without accumulation get caches of their own."""
+    from daemon.run_files import RunFiles
+
+    several = ["run.master_port=29500", 'run.coordinator="etcd://127.0.0.1:2379"', f'run.dir="{tmp_path}"']
+    shape = lambda dp, micro, accum, *more: load_config(None, [
+        *several, f"run.nodes={dp}", f"parallel.dp={dp}", f"train.micro_batch={micro}", f"train.grad_accum_steps={accum}",
+        f"train.global_batch={dp * micro * accum}", *more])
+    cache = lambda cfg: RunFiles(cfg, {}).compile_cache_dir(cfg)
+    assert cache(shape(3, 4, 2)) == cache(shape(2, 4, 3))                 # a machine lost: the same graphs
+    assert cache(shape(3, 4, 2)) != cache(shape(2, 3, 4))                 # another micro-batch
+    assert cache(shape(2, 4, 1)) != cache(shape(1, 4, 2, "run.nodes=1"))  # no accumulation / no peers
+    cluster = lambda dp, accum: shape(dp, 4, accum, "parallel.local_reduce=false")
+    assert cache(cluster(3, 2)) != cache(cluster(2, 3))                   # its graphs hold the AllReduce
