@@ -14,11 +14,12 @@ the decider publishes it in etcd: there the standby is *late* — its ranks star
 the interpreter and import MindSpore and the engine, then wait, and form the
 cluster once activated with the generation's environment (on the decider's
 machine a scheduler likewise imports and waits). A standby is used only for a generation with the config
-and ranks it started with (the same machines in the same order: a shrunk or
-regrown run has another config) and the MindSpore environment it read (all of
-it once its cluster formed; a late one, all but the cluster's address and
-membership variables it has not used yet); otherwise it is retired and the
-generation starts cold.
+and ranks it started with and the MindSpore environment it read (all of it once its cluster formed);
+a late one has read no config yet (the rank reads the generation's once activated) and no cluster
+variable, so it fits any generation that gives this machine the same ranks, under the same memory
+limit, with the same MindSpore environment but for the cluster's address and membership and the
+compile cache's path (read at the first compile: measured): a run shrunk or regrown around this
+machine uses it. Otherwise it is retired and the generation starts cold.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Mapping, Sequence
 
 from contracts.config import Config
-from contracts.protocol import ENV_STANDBY_FD, ENV_STANDBY_LATE, PhaseEvent, activation_line
+from contracts.protocol import ENV_LOG_PATH, ENV_STANDBY_FD, ENV_STANDBY_LATE, PhaseEvent, activation_line
 from daemon import mindspore_env
 from daemon.generation import Worker, spawn, spawn_rank, stop_all
 
@@ -42,6 +43,8 @@ PIPE_BYTES = 60_000       # an activation must fit the pipe's buffer (64 KiB on 
 SCHEDULER = -1            # the scheduler's key among the standby's processes and pipes
 # what a late standby's ranks read only when activated: the cluster's address and membership
 CLUSTER_VARIABLES = ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_WORKER_NUM", "MS_LOCAL_WORKER_NUM", "MS_NODE_ID")
+# what MindSpore reads only once it compiles or forms its cluster: a late standby has read none of it
+READ_AFTER_ACTIVATION = (*CLUSTER_VARIABLES, "MS_COMPILER_CACHE_PATH")
 
 
 def wanted(cfg: Config) -> bool:
@@ -52,7 +55,7 @@ def wanted(cfg: Config) -> bool:
 
 def _mindspore_env(env: Mapping[str, str], *, late: bool = False) -> dict[str, str]:
     """What a process's MindSpore has read by the time its cluster formed (a late standby: before)."""
-    return {k: v for k, v in env.items() if k.startswith(("MS_", "GLOG_")) and not (late and k in CLUSTER_VARIABLES)}
+    return {k: v for k, v in env.items() if k.startswith(("MS_", "GLOG_")) and not (late and k in READ_AFTER_ACTIVATION)}
 
 
 @dataclasses.dataclass
@@ -132,17 +135,20 @@ class Standby:
         """Why this standby cannot be the generation of `cfg` and `ranks` whose ranks would get `envs`
         (computed with this standby's port; with SCHEDULER, a late one's scheduler's, when this node
         runs the generation's scheduler); None when it can."""
-        if cfg != self.cfg:
+        if cfg != self.cfg and not self.late:
             return "the config changed since it started"
-        if tuple(ranks) != self.ranks:
+        if cfg.run.worker_memory_limit_bytes != self.cfg.run.worker_memory_limit_bytes:
+            return "the ranks' memory limit changed since it started"
+        if tuple(ranks) != self.ranks and not (self.late and len(ranks) == len(self.ranks)):
             return f"this node's ranks are now {list(ranks)}, not {list(self.ranks)}"
+        renamed = dict(zip(self.ranks, ranks))      # a late one becomes whichever ranks this node has now
         if ended := [w for w in self.workers if w.popen.poll() is not None]:
             return "its " + ", ".join(f"{w.role} {w.rank if w.rank >= 0 else ''}".strip() + f" ended ({w.popen.returncode})"
                                       for w in ended)
-        if any(_mindspore_env(envs[r], late=self.late) != _mindspore_env(self.envs[r], late=self.late)
+        if any(_mindspore_env(envs[renamed[r]], late=self.late) != _mindspore_env(self.envs[r], late=self.late)
                for r in self.ranks):
             return "the MindSpore environment changed since it started"
-        if any(len(activation_line(dict(envs[r]))) > PIPE_BYTES for r in self.ranks):
+        if any(len(activation_line(dict(envs[r]))) > PIPE_BYTES for r in ranks):
             return f"an environment larger than a pipe holds ({PIPE_BYTES} bytes)"
         if SCHEDULER in self.pipes and SCHEDULER not in envs:
             return "this node no longer runs the scheduler"
@@ -150,12 +156,23 @@ class Standby:
             return f"its cluster has not formed in {FORM_TIMEOUT_S:.0f} s"
         return None
 
-    def activate(self, envs: Mapping[int, Mapping[str, str]]) -> list[Worker]:
+    def activate(self, envs: Mapping[int, Mapping[str, str]], ranks: Sequence[int] | None = None) -> list[Worker]:
         """Hands each rank its generation's environment; returns the processes, now that generation's.
-        Raises OSError if a rank cannot be told (it died since `unusable` looked): then retire it."""
+        A late standby started as other ranks than `ranks` (a lower machine left the run) takes them in
+        order, each writing to its new rank's log from here on. Raises OSError if a rank cannot be told
+        (it died since `unusable` looked): then retire it."""
+        renamed = dict(zip(self.ranks, ranks if ranks is not None else self.ranks))
+        started_as = {w.rank: w for w in self.workers}
         for rank in list(self.pipes):
-            os.write(self.pipes[rank], activation_line(dict(envs[rank])))     # fits the pipe: never blocks
+            env = dict(envs[renamed.get(rank, rank)])
+            worker = started_as[rank]
+            if renamed.get(rank, rank) != rank:
+                worker.rank = renamed[rank]
+                worker.log_path = worker.log_path.with_name(f"rank-{worker.rank}.log")
+                env[ENV_LOG_PATH] = str(worker.log_path)
+            os.write(self.pipes[rank], activation_line(env))     # fits the pipe: never blocks
             os.close(self.pipes.pop(rank))
+        self.ranks = tuple(renamed[r] for r in self.ranks)
         return self.workers
 
     def retire(self) -> None:
@@ -229,7 +246,7 @@ class Keeper:
         why = standby.unusable(cfg, ranks, envs, time.monotonic())
         if why is None:
             try:
-                standby.activate(envs)
+                standby.activate(envs, ranks)
                 return standby
             except OSError as e:
                 why = f"activating it failed ({e})"

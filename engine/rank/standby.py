@@ -36,7 +36,8 @@ def hold(cfg: Config, fd: int) -> None:
 
         from engine.rank import trainer  # noqa: F401
 
-        rank = int(os.environ.get("MS_NODE_ID", "0"))
+        group = runtime.local_group()         # a local group across machines names its rank itself
+        rank = group.rank if group is not None else int(os.environ.get("MS_NODE_ID", "0"))
     else:
         rank = runtime.setup(cfg).rank
     ready = PhaseEvent(rank=rank, generation=int(os.environ.get(ENV_GENERATION, "0")), phase="standby")

@@ -517,21 +517,31 @@ def test_each_machine_keeps_a_late_standby_and_a_rank_crash_restarts_both_on_the
     assert [s["generation"] for s in steps][-1] == 2 and steps[-1]["step"] == 40
 
 
-def test_a_standby_started_for_three_machines_is_not_used_by_a_run_shrunk_to_two(tmp_path, etcd):
+def test_a_late_standby_serves_a_run_shrunk_around_its_machine_as_its_new_rank_and_a_dead_one_is_never_used(
+        tmp_path, etcd):
+    """Node 0 (the decider) lost: nodes 1 and 2 go on as ranks 0 and 1. A late standby read no config and
+    no rank yet: node 2's is activated as rank 1 and writes to rank 1's log; node 1's, whose rank died
+    while it waited, no longer fits and is retired (that node starts cold)."""
     three = _GatedThree(tmp_path, etcd.url)
     run, procs = three.run, three.procs
     with _reaped(procs):
         _wait(lambda: all(_node_events(run, i, "standby_ready") for i in (0, 1, 2)), 60, "standbys ready")
-        procs[2].send_signal(signal.SIGKILL)
-        procs[2].wait()
-        _wait(lambda: _node_events(run, 0, "nodes_shrunk"), 60, "a generation of nodes 0 and 1")
+        dead = _node_events(run, 1, "standby_started")[0]["pids"]["1"]
+        os.kill(dead, signal.SIGKILL)
+        procs[0].send_signal(signal.SIGKILL)
+        procs[0].wait()
+        _wait(lambda: _node_events(run, 1, "nodes_shrunk"), 60, "a generation of nodes 1 and 2")
         three.gate.touch()
-        results = [_finish(p, 120) for p in procs[:2]]
+        results = [_finish(p, 120) for p in procs[1:]]
     assert [r[0] for r in results] == [0, 0], [r[2][-1500:] for r in results]
-    for _, events, _ in results:
-        gens = _named(events, "generation_start")
-        assert [g["standby"] for g in gens][:2] == [False, False]      # started cold on two machines
-        retired = _named(events, "standby_retired")[0]
-        assert "not used for generation 2: the config changed since it started" in retired["detail"]
-        # the smaller run keeps a standby of its own, of its own shape
-        assert len(_named(events, "standby_started")) >= 2
+    (_, on_1, _), (_, on_2, _) = results
+    assert [g["standby"] for g in _named(on_1, "generation_start")][:2] == [False, False]
+    assert f"rank 1 ended ({-signal.SIGKILL})" in _named(on_1, "standby_retired")[0]["detail"]
+    gens = _named(on_2, "generation_start")
+    assert [g["standby"] for g in gens][:2] == [False, True] and gens[1]["ranks"] == [1]
+    assert gens[1]["pids"] == {"1": _named(on_2, "standby_started")[0]["pids"]["2"]}      # started as rank 2
+    assert not _named(on_2, "standby_retired")
+    # rank 2's process, rank 1 now: its steps of generation 2 are in rank 1's log, as rank 1
+    steps = [json.loads(line) for line in (run / "logs" / "node-2" / "rank-1.log").read_text().splitlines()
+             if line.startswith("{") and '"kind": "step"' in line]
+    assert steps and {(s["generation"], s["rank"]) for s in steps} == {(2, 1)}

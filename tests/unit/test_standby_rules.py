@@ -36,8 +36,6 @@ def test_a_late_standby_takes_the_generations_scheduler_but_nothing_else_new():
     now = standby.started_at + 1
     assert standby.unusable(cfg, [0, 1], _envs(port="29501", MS_SCHED_HOST="10.0.0.2"), now) is None
     assert "MindSpore environment" in standby.unusable(cfg, [0, 1], _envs(GLOG_v="1"), now)
-    assert "config changed" in standby.unusable(with_changes(cfg, {"run.nodes": 3, "parallel.dp": 3,
-                                                                   "train.global_batch": 12}), [0, 1], _envs(), now)
     early = Standby(CFG, 5000, (0, 1), _envs(), [], {})
     assert "MindSpore environment" in early.unusable(CFG, [0, 1], _envs(port="5001"), early.started_at + 1)
     from daemon.standby import SCHEDULER
@@ -47,10 +45,55 @@ def test_a_late_standby_takes_the_generations_scheduler_but_nothing_else_new():
     assert standby.unusable(cfg, [0, 1], {**_envs(), SCHEDULER: {}}, now) is None
 
 
-def _envs(port="5000", **more):
-    return {r: {"MS_SCHED_PORT": port, "MS_NODE_ID": str(r), "LLM_PRETRAIN_GENERATION": "2", **more} for r in (0, 1)}
+def _envs(port="5000", ranks=(0, 1), **more):
+    return {r: {"MS_SCHED_PORT": port, "MS_NODE_ID": str(r), "LLM_PRETRAIN_GENERATION": "2", **more} for r in ranks}
 
 
+def test_a_late_standby_fits_a_run_shrunk_or_regrown_around_its_machine_as_whichever_ranks_it_has_now():
+    """A late standby read no config and no cluster variable yet (the rank reads the generation's config
+    once activated, and MindSpore reads the compile cache's path at the first compile): another
+    data-parallel size, accumulation, compile cache and rank ids fit; another number of ranks on this
+    machine, another memory limit (the cgroup it runs in) or another MindSpore setting it did read do not."""
+    cfg = with_changes(CFG, {**SEVERAL, "run.nodes": 3, "parallel.dp": 3, "train.global_batch": 24,
+                             "train.grad_accum_steps": 2})
+    standby = Standby(cfg, 29500, (2,), _envs(ranks=(2,), MS_COMPILER_CACHE_PATH="/cc/a"), [], {}, late=True)
+    now = standby.started_at + 1
+    shrunk = with_changes(cfg, {"run.nodes": 2, "parallel.dp": 2, "train.grad_accum_steps": 3})
+    assert standby.unusable(shrunk, [1], _envs(ranks=(1,), MS_COMPILER_CACHE_PATH="/cc/b"), now) is None
+    assert "ranks are now [1, 2]" in standby.unusable(shrunk, [1, 2], _envs(ranks=(1, 2)), now)
+    limited = with_changes(shrunk, {"run.worker_memory_limit_bytes": 2_000_000_000})
+    assert "memory limit changed" in standby.unusable(limited, [1], _envs(ranks=(1,)), now)
+    assert "MindSpore environment" in standby.unusable(shrunk, [1], _envs(ranks=(1,), MS_COMPILER_CACHE_PATH="/cc/b",
+                                                                       GLOG_v="1"), now)
+    # an early standby (one machine) formed its cluster with its config: another config does not fit
+    early = Standby(CFG, 5000, (0, 1), _envs(), [], {})
+    assert "config changed" in early.unusable(with_changes(CFG, {"train.micro_batch": 2, "train.grad_accum_steps": 2}),
+                                              [0, 1], _envs(), early.started_at + 1)
+
+
+def test_a_late_standby_activated_as_other_ranks_writes_to_their_logs(tmp_path):
+    """Machine 0 left: machine 2's rank 2 is rank 1 now. Its process is told its new log, and the daemon
+    reads that log for it (the rank's exit, its memory, its refusal)."""
+    import json
+    import os
+
+    from contracts.protocol import ENV_LOG_PATH
+    from daemon.generation import Worker
+
+    reads, pipes, workers = {}, {}, []
+    for rank in (2, 3):
+        reads[rank], pipes[rank] = os.pipe()
+        workers.append(Worker(role="rank", rank=rank, popen=None, log_path=tmp_path / f"rank-{rank}.log"))
+    standby = Standby(CFG, 29500, (2, 3), _envs(ranks=(2, 3)), workers, pipes, late=True)
+    standby.activate(_envs(ranks=(1, 2)), ranks=(1, 2))
+    told = {}
+    for rank, fd in reads.items():
+        with open(fd, "rb") as pipe:
+            told[rank] = json.loads(pipe.readline())["env"]
+    assert [w.rank for w in standby.workers] == [1, 2] and standby.ranks == (1, 2)
+    assert [w.log_path.name for w in standby.workers] == ["rank-1.log", "rank-2.log"]
+    assert told[2]["MS_NODE_ID"] == "1" and told[2][ENV_LOG_PATH] == str(tmp_path / "rank-1.log")
+    assert told[3]["MS_NODE_ID"] == "2" and told[3][ENV_LOG_PATH] == str(tmp_path / "rank-2.log")
 def test_a_standby_fits_only_the_config_ranks_and_mindspore_environment_it_started_with():
     standby = Standby(CFG, 5000, (0, 1), _envs(), [], {})
     now = standby.started_at + 1
