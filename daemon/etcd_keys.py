@@ -21,7 +21,7 @@ Who decides: any daemon of the run. When there is no leader key, the lowest-rank
 campaigns at once and the others once every lower-ranked node has been absent a while (two lease
 TTLs for one never seen, as while a run starts; PREFER_LOWER_S from its key's deletion for one this
 daemon's mirror ever held, whichever joined first), so a fresh run
-is decided by node 0 and a lost decider is replaced about a second after its lease expires. A decider is deposed when it learns it is: its
+is decided by node 0 and a lost decider is replaced a moment after its lease expires. A decider is deposed when it learns it is: its
 lease expired, another leader key is seen, a fenced write is refused, or its lease has gone
 unrenewed past the TTL (etcd may have expired it already).
 
@@ -53,7 +53,10 @@ from daemon.etcd_client import (
     op_put,
 )
 
-PREFER_LOWER_S = 1.0         # a node lets lower-ranked live nodes campaign first for this long
+# how long a node lets a lower-ranked one it saw leave come back and campaign first: a lease that expired is
+# a machine gone, and every moment here is a moment of the whole run's recovery (1 s was a sixth of a lost
+# decider's, lease 3 s); what it is for is a key deleted and put again as a daemon restarts
+PREFER_LOWER_S = 0.25
 
 
 class NotLeaderError(EtcdError):
