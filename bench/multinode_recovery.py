@@ -1,19 +1,27 @@
 """How fast a multi-node run comes back, in network namespaces on this machine (tests/netns.py: one
 host per namespace on a bridge, one daemon and one MindSpore CPU rank each, the tiny config, lease
-TTL 3 s, rejoin timeout 0 s), with the warm standby (the default: a late one on several machines) and
-without it (`run.standby = false`, every generation cold), rounds interleaved:
+TTL 3 s, rejoin timeout 0 s), three ways, rounds interleaved:
+
+    default   what a run does by default: the ranks sum gradients through a TCP hub on the decider's
+              machine (a local group across machines: no MindSpore cluster to form), and each machine
+              keeps a late warm standby (imported, waiting to be told its generation)
+    cold      the same without the standby (`run.standby = false`): every generation starts its ranks
+    cluster   MindSpore's cluster with the standby (`parallel.local_reduce = false`): the collective
+              every multi-node CPU run used before the hub (the "before" of issue 33 is this bench's
+              previous results, bench/results/multinode_recovery.json in git history)
 
     rank crash    2 hosts, etcd on host 0: rank 1 (host 1) SIGKILLed → the first step of the next
                   generation on every host (the later of the two)
     host lost     3 hosts (min_nodes 2), etcd on host 0: every process on host 2 killed and its link
                   cut → the first step of the smaller generation on both survivors
     host 0 lost   the same with host 0 (the decider, the scheduler's machine) on an embedded etcd of
-                  three members, so etcd outlives it
+                  three members, so etcd outlives it; the survivors' ranks are renumbered
 
 Each figure is seconds from the fault, the median of --rounds with the range; the targets (issue 33):
-rank crash ≤ 3 s, host lost ≤ lease + 3 s. A shrunk run has another config (its data-parallel size and
-accumulation), so its generation starts cold and compiles its new shape whatever the standby.
-Needs root (network namespaces). Writes bench/results/multinode_recovery.json.
+rank crash ≤ 3 s, host lost ≤ lease + 3 s. The elastic run keeps its micro-batch on two hosts (global
+batch 24: 3 x 4 x 2 becomes 2 x 4 x 3), so a local group's smaller generation reuses the compiled step
+(daemon/run_files.py); MindSpore's cluster compiles its new shape. Needs root (network namespaces).
+Writes bench/results/multinode_recovery.json.
 
     sudo python bench/multinode_recovery.py [--rounds 3] [--cases rank_crash,host_lost,host0_lost]
 """
@@ -69,12 +77,15 @@ def _wait(ready, timeout_s: float, what: str, procs=(), out: Path | None = None,
     return got
 
 
-def _start(hosts: Hosts, i: int, run: Path, corpus: Path, coordinator: list[str], standby: bool, extra: list[str],
+VARIANTS = {"default": [], "cold": ["run.standby=false"], "cluster": ["parallel.local_reduce=false"]}
+
+
+def _start(hosts: Hosts, i: int, run: Path, corpus: Path, coordinator: list[str], variant: str, extra: list[str],
            out: Path) -> subprocess.Popen:
     sets = [f'data.path="{corpus}"', "train.steps=100000", "optim.cosine_steps=2000", "checkpoint.interval_steps=10",
             "train.micro_batch=4", f'run.dir="{run}"', f"run.nodes={hosts.count}", f"run.node_rank={i}",
-            "run.master_port=29555", f"run.node_lease_ttl_s={LEASE_S}", f"run.standby={str(standby).lower()}",
-            "health.restart_backoff_initial_s=0.2", "health.restart_backoff_max_s=1", "run.kill_grace_s=5",
+            "run.master_port=29555", f"run.node_lease_ttl_s={LEASE_S}", *VARIANTS[variant],
+            "run.kill_grace_s=5",
             *coordinator, *extra]
     log = open(out / f"node-{i}.out", "a")
     return subprocess.Popen([*hosts.prefix(i), sys.executable, "-m", "cli", "run", "--log-format", "json",
@@ -110,17 +121,25 @@ def _ready(run: Path, nodes, standby: bool) -> bool:
     return all(_named(run, n, "first_step") and (not standby or _named(run, n, "standby_ready")) for n in nodes)
 
 
-def rank_crash(work: Path, corpus: Path, standby: bool) -> float:
-    run = work / f"crash-{standby}-{time.monotonic_ns()}"
+def _committed_since(run: Path, since: float) -> bool:
+    """A checkpoint committed (by the decider, node 0) after `since`: the fault then comes after progress, as
+    in a run that has trained a while (a restart without progress waits out a backoff, by design)."""
+    return any(_at(e) > since for e in _named(run, 0, "checkpoint_committed"))
+
+
+def rank_crash(work: Path, corpus: Path, variant: str) -> float:
+    run = work / f"crash-{variant}-{time.monotonic_ns()}"
+    standby = variant != "cold"
     with Hosts(2) as hosts:
         etcd = EtcdServer(work / f"etcd-{time.monotonic_ns()}", host=hosts.addr(0), client_port=2379, peer_port=2380,
                           prefix=hosts.prefix(0)).start()
-        procs = [_start(hosts, i, run, corpus, [f'run.coordinator="{etcd.url}"'], standby, ["parallel.dp=2"], work)
+        procs = [_start(hosts, i, run, corpus, [f'run.coordinator="{etcd.url}"'], variant, ["parallel.dp=2"], work)
                  for i in range(2)]
         try:
             _wait(lambda: _ready(run, (0, 1), standby), 300, "both hosts stepping (and their standbys ready)",
                   procs, work)
-            time.sleep(2)                                     # past the first checkpoint's commit
+            ready = time.time()
+            _wait(lambda: _committed_since(run, ready), 300, "a checkpoint committed", procs, work)
             victim = _named(run, 1, "generation_start")[-1]["pids"]["1"]
             killed = time.time()
             os.kill(victim, signal.SIGKILL)
@@ -132,9 +151,10 @@ def rank_crash(work: Path, corpus: Path, standby: bool) -> float:
             etcd.stop()
 
 
-def host_lost(work: Path, corpus: Path, standby: bool, victim: int) -> float:
-    run = work / f"lost{victim}-{standby}-{time.monotonic_ns()}"
-    elastic = ["parallel.dp=3", "train.global_batch=12", "run.min_nodes=2", "run.node_rejoin_timeout_s=0"]
+def host_lost(work: Path, corpus: Path, variant: str, victim: int) -> float:
+    run = work / f"lost{victim}-{variant}-{time.monotonic_ns()}"
+    standby = variant != "cold"
+    elastic = ["parallel.dp=3", "train.global_batch=24", "train.grad_accum_steps=2", "run.min_nodes=2", "run.node_rejoin_timeout_s=0"]
     with Hosts(3) as hosts:
         etcd = None
         if victim == 0:
@@ -144,11 +164,12 @@ def host_lost(work: Path, corpus: Path, standby: bool, victim: int) -> float:
             etcd = EtcdServer(work / f"etcd-{time.monotonic_ns()}", host=hosts.addr(0), client_port=2379,
                               peer_port=2380, prefix=hosts.prefix(0)).start()
             coordinator = [f'run.coordinator="{etcd.url}"']
-        procs = [_start(hosts, i, run, corpus, coordinator, standby, elastic, work) for i in range(3)]
+        procs = [_start(hosts, i, run, corpus, coordinator, variant, elastic, work) for i in range(3)]
         survivors = [n for n in range(3) if n != victim]
         try:
             _wait(lambda: _ready(run, range(3), standby), 300, "three hosts stepping", procs, work)
-            time.sleep(2)
+            ready = time.time()
+            _wait(lambda: _committed_since(run, ready), 300, "a checkpoint committed", procs, work)
             lost = time.time()
             hosts.lose(victim)
             hosts.cut(victim)
@@ -177,17 +198,17 @@ def main() -> None:
     from engine.data.prepare import STDLIB, prepare
 
     cases = args.cases.split(",")
-    seconds: dict[str, dict[str, list[float]]] = {c: {"standby": [], "cold": []} for c in cases}
+    seconds: dict[str, dict[str, list[float]]] = {c: {v: [] for v in VARIANTS} for c in cases}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         corpus = work / "stdlib"
         prepare([STDLIB], corpus, log=open(os.devnull, "w"))
         for _ in range(args.rounds):                          # interleaved: the machine's load hits all alike
             for case in cases:
-                for standby in (True, False):
-                    s = CASES[case](work, corpus, standby)
-                    seconds[case]["standby" if standby else "cold"].append(round(s, 2))
-                    print(f"{case:11s} {'standby' if standby else 'cold':8s} {s:6.2f} s", flush=True)
+                for variant in VARIANTS:
+                    s = CASES[case](work, corpus, variant)
+                    seconds[case][variant].append(round(s, 2))
+                    print(f"{case:11s} {variant:8s} {s:6.2f} s", flush=True)
     summary = {c: {k: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v), "runs": v}
                    for k, v in by.items()} for c, by in seconds.items()}
     for c, by in summary.items():
