@@ -7,7 +7,8 @@ step. Each crash is broken down from the daemon's event log and the ranks'
 start-up stages (engine/rank/startup.py):
 
     detect     kill → the daemon's `crash` event
-    teardown   → `generation_start` (survivors ended, decision, backoff of 0.2 s)
+    teardown   → `generation_start` (survivors ended, decision; the default backoff: none before
+                 the first restart after progress)
     start      → the rank's `compile` phase: interpreter, imports, MindSpore's
                  cluster formation, model build, restore (skipped on a standby)
     step       → the first step of the new generation done (compile cache warm)
@@ -74,8 +75,7 @@ def _daemon(run: Path, corpus: Path, *, cache: bool, standby: bool, local: bool 
             extra: tuple = ()) -> subprocess.Popen:
     sets = [f'data.path="{corpus}"', f"parallel.local_reduce={str(local).lower()}", "train.steps=100000", "checkpoint.interval_steps=10", "parallel.dp=2",
             "train.micro_batch=4", f'run.dir="{run}"', f"run.compile_cache={str(cache).lower()}",
-            f"run.standby={str(standby).lower()}", "health.restart_backoff_initial_s=0.2",
-            "health.restart_backoff_max_s=0.2", "run.kill_grace_s=5", "health.allow_fault_injection=true",
+            f"run.standby={str(standby).lower()}", "run.kill_grace_s=5", "health.allow_fault_injection=true",
             "health.hang_floor_s=5", "health.hang_step_multiplier=10", *extra]
     cmd = [sys.executable, "-m", "cli", "run", *sum((["--set", s] for s in sets), [])]
     return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, GLOG_v="3"), stdout=subprocess.DEVNULL,

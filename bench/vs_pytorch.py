@@ -10,11 +10,13 @@ Three implementations of one LLaMA shape, each in its own process, interleaved
   ops (`train.fused_kernels = false`: no C++ kernels of this project's) under
   `nn.TrainOneStepCell` and `nn.AdamWeightDecay`, random token batches;
 - `torch`: Hugging Face's `LlamaForCausalLM` (transformers, SDPA attention) with
-  `torch.optim.AdamW` and `clip_grad_norm_`, eager, the same shapes and batches.
+  `torch.optim.AdamW` and `clip_grad_norm_`, eager, the same shapes and batches;
+- `torch.compile`: the same model under `torch.compile` (inductor; its compile is in the warm-up).
 
-Reported per implementation (median over rounds): tokens/s after warm-up, the
-cores busy while stepping (CPU seconds / wall seconds), and the process's peak
-RSS (which includes compilation). `--recompute` adds small-20m with activation
+Reported per implementation, the median over rounds with the range: wall-clock tokens/s
+after warm-up (the timed steps' tokens over their wall time, between-step work included:
+what a run delivers, not the step alone), the cores busy while stepping (CPU seconds / wall
+seconds), and the process's peak RSS (which includes compilation). `--recompute` adds small-20m with activation
 recompute (MindSpore's per-layer recompute; Hugging Face's gradient checkpointing).
 Prints a table with the ratios and writes bench/results/vs_pytorch.json.
 Needs torch and transformers (the `interop` extra); without them the torch
@@ -37,10 +39,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {  # config, warm-up steps, timed steps, rounds by default
-    "tiny": ("configs/tiny.toml", 20, 100, 3),
-    "small-20m": ("configs/small-20m.toml", 3, 8, 2),
+    "tiny": ("configs/tiny.toml", 20, 100, 5),
+    "small-20m": ("configs/small-20m.toml", 3, 8, 5),
 }
-IMPLS = ("project", "mindspore", "torch")
+IMPLS = ("project", "mindspore", "torch", "torch.compile")
 
 
 def _config(config: str, steps: int, recompute: bool):
@@ -76,7 +78,8 @@ def _timed(step, warmup: int, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     cpu1, wall1 = os.times(), time.perf_counter()
     busy = ((cpu1.user - cpu0.user) + (cpu1.system - cpu0.system)) / (wall1 - wall0)
-    return {"first_step_s": first_s, "median_step_s": statistics.median(times), "cores_busy": busy}
+    return {"first_step_s": first_s, "median_step_s": statistics.median(times), "cores_busy": busy,
+            "timed_wall_s": wall1 - wall0, "timed_steps": steps}
 
 
 def run_project(cfg, warmup: int, steps: int) -> dict:
@@ -112,7 +115,7 @@ def run_mindspore(cfg, warmup: int, steps: int) -> dict:
     return _timed(step, warmup, steps)
 
 
-def run_torch(cfg, warmup: int, steps: int) -> dict:
+def run_torch(cfg, warmup: int, steps: int, compiled: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -126,6 +129,7 @@ def run_torch(cfg, warmup: int, steps: int) -> dict:
     if cfg.train.recompute:
         model.gradient_checkpointing_enable()
     model.train()
+    forward = torch.compile(model) if compiled else model
     o = cfg.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)
@@ -135,7 +139,7 @@ def run_torch(cfg, warmup: int, steps: int) -> dict:
 
     def step():
         b = batches[next(at) % len(batches)]
-        logits = model(input_ids=b[:, :-1]).logits
+        logits = forward(input_ids=b[:, :-1]).logits
         loss = F.cross_entropy(logits.reshape(-1, vocab), b[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -149,9 +153,12 @@ def run_torch(cfg, warmup: int, steps: int) -> dict:
 
 def child(impl: str, config: str, warmup: int, steps: int, recompute: bool) -> dict:
     cfg = _config(config, warmup + steps + 1, recompute)
-    out = {"project": run_project, "mindspore": run_mindspore, "torch": run_torch}[impl](cfg, warmup, steps)
+    run = {"project": run_project, "mindspore": run_mindspore, "torch": run_torch,
+           "torch.compile": lambda *a: run_torch(*a, compiled=True)}[impl]
+    out = run(cfg, warmup, steps)
     tokens = cfg.train.global_batch * cfg.data.seq_len
-    out.update(impl=impl, tokens_per_step=tokens, tokens_per_s=tokens / out["median_step_s"],
+    out.update(impl=impl, tokens_per_step=tokens, tokens_per_s=tokens * out["timed_steps"] / out["timed_wall_s"],
+               step_tokens_per_s=tokens / out["median_step_s"],
                peak_rss_gb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     return out
 
@@ -177,7 +184,7 @@ def _torch_available() -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, help="rounds per case (default: 3 tiny, 2 small-20m)")
+    parser.add_argument("--rounds", type=int, help="rounds per case (default: 5)")
     parser.add_argument("--only", choices=sorted(CASES))
     parser.add_argument("--recompute", action="store_true", help="also small-20m with activation recompute")
     parser.add_argument("--child", choices=IMPLS, help=argparse.SUPPRESS)
@@ -201,8 +208,12 @@ def main() -> None:
             for impl in impls:
                 runs[impl].append(_spawn(impl, config, warmup, steps, recompute))
         summary = {impl: {key: statistics.median(r[key] for r in rs)
-                          for key in ("tokens_per_s", "median_step_s", "peak_rss_gb", "cores_busy", "first_step_s")}
+                          for key in ("tokens_per_s", "step_tokens_per_s", "median_step_s", "peak_rss_gb",
+                                      "cores_busy", "first_step_s")}
                    for impl, rs in runs.items()}
+        for impl, rs in runs.items():
+            summary[impl]["tokens_per_s_range"] = [min(r["tokens_per_s"] for r in rs), max(r["tokens_per_s"] for r in rs)]
+            summary[impl]["rounds"] = len(rs)
         results[name] = {"config": config, "recompute": recompute, "summary": summary, "runs": runs}
     _print(results)
     out_dir = ROOT / "bench" / "results"
@@ -213,16 +224,18 @@ def main() -> None:
 
 
 def _print(results: dict) -> None:
-    print(f"{'case':<20} {'impl':<10} {'tokens/s':>9} {'step s':>8} {'cores':>6} {'peak RSS GB':>12} "
-          f"{'tok/s vs torch':>15} {'RSS vs torch':>13}")
+    print(f"{'case':<20} {'impl':<14} {'tokens/s (wall, range)':>26} {'step s':>8} {'cores':>6} {'peak RSS GB':>12} "
+          f"{'vs torch':>9} {'vs compile':>11} {'RSS vs torch':>13}")
     for name, r in results.items():
         s = r["summary"]
-        ref = s.get("torch")
+        ref, compiled = s.get("torch"), s.get("torch.compile")
         for impl, m in s.items():
             speed = f"{m['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
+            versus = f"{m['tokens_per_s'] / compiled['tokens_per_s']:.2f}x" if compiled else "-"
             rss = f"{m['peak_rss_gb'] / ref['peak_rss_gb']:.2f}x" if ref else "-"
-            print(f"{name:<20} {impl:<10} {m['tokens_per_s']:>9,.0f} {m['median_step_s']:>8.3f} "
-                  f"{m['cores_busy']:>6.2f} {m['peak_rss_gb']:>12.2f} {speed:>15} {rss:>13}")
+            lo, hi = m["tokens_per_s_range"]
+            print(f"{name:<20} {impl:<14} {m['tokens_per_s']:>9,.0f} ({lo:>6,.0f}-{hi:>6,.0f}) {m['median_step_s']:>8.3f} "
+                  f"{m['cores_busy']:>6.2f} {m['peak_rss_gb']:>12.2f} {speed:>9} {versus:>11} {rss:>13}")
         p, plain = s["project"], s["mindspore"]
         print(f"{'':<20} project / plain MindSpore: {p['tokens_per_s'] / plain['tokens_per_s']:.2f}x tokens/s, "
               f"{p['peak_rss_gb'] / plain['peak_rss_gb']:.2f}x peak RSS")
