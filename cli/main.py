@@ -297,6 +297,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         scheduler.main()
         return ExitCode.OK
+    from engine.rank.events import TolerantStream
+
+    # a full disk under the log; whole lines (the log is shared with the ranks being torn down)
+    sys.stdout, sys.stderr = TolerantStream(sys.stdout), TolerantStream(sys.stderr)
     if os.environ.get(ENV_STANDBY_FD):               # a warm standby: form the cluster, wait to be a rank
         from engine.rank import standby
 
@@ -310,9 +314,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError(f"--until-step = {args.until_step} must be >= 1")
     from contracts.protocol import ENV_EVENT_SOCKET
     from engine.rank import trainer
-    from engine.rank.events import TolerantStream
 
-    sys.stdout, sys.stderr = TolerantStream(sys.stdout), TolerantStream(sys.stderr)   # a full disk under the log
     out = _console(args, default=not os.environ.get(ENV_EVENT_SOCKET), total_steps=args.until_step or cfg.train.steps)
     try:
         trainer.train(cfg, out=out or sys.stdout, until_step=args.until_step,

@@ -42,20 +42,36 @@ class EventSink:
 class TolerantStream:
     """A text stream whose writes never raise OSError: a rank's stdout and stderr are its log file, and
     a full disk under it must not end the rank (what could not be written is lost; the daemon still
-    gets every event as a datagram)."""
+    gets every event as a datagram). Each line goes out in one write: the log is shared with other
+    processes (the ranks of a generation being torn down while the next one's start), and print()
+    hands a line and its newline over apart, which an unbuffered stream (PYTHONUNBUFFERED) writes as
+    two system calls another process's line, or a kill, can fall between. A thread's unfinished line
+    waits for its newline or a flush."""
 
     def __init__(self, stream: TextIO):
         self._stream = stream
+        self._unfinished = threading.local()
 
     def write(self, text: str) -> int:
-        try:
-            return self._stream.write(text)
-        except OSError:
-            return len(text)
+        pending = getattr(self._unfinished, "text", "") + text
+        cut = pending.rfind("\n") + 1
+        self._unfinished.text = pending[cut:]
+        if cut:
+            self._write(pending[:cut])
+        return len(text)
 
     def flush(self) -> None:
+        pending, self._unfinished.text = getattr(self._unfinished, "text", ""), ""
+        if pending:
+            self._write(pending)
         try:
             self._stream.flush()
+        except OSError:
+            pass
+
+    def _write(self, text: str) -> None:
+        try:
+            self._stream.write(text)
         except OSError:
             pass
 
