@@ -125,8 +125,12 @@ def test_a_flipped_bit_is_rerun_found_transient_and_the_run_ends_as_an_uninterru
     ram = "checkpoint.memory_interval_steps=4"        # the RAM tier, between the disk saves every 20 steps
     done, reference, _ = _run(cli, quiet_env, tmp_path / "reference", stdlib_corpus, ram, steps=100)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the steps after the flip slowed on both ranks (numbers unchanged): the RAM tier keeps its newest two,
+    # and ranks that ran on past step 76 before the daemon decided would have retired 64 and 68 (ranks
+    # at ~200 steps a second did: the rerun then rightly started from the disk's 60)
+    slow = [("slow", "--rank", r, "--at-step", "71", "--steps", "12", "--seconds", "0.3") for r in ("0", "1")]
     done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, ram, steps=100,
-                             injects=[("bitflip", "--rank", "1", "--at-step", "70")])
+                             injects=[("bitflip", "--rank", "1", "--at-step", "70"), *slow])
     assert done.returncode == 0, done.stderr[-3000:]
     rerun = _check_recorded(run, events, "non_finite", "rerun")
     # from the RAM tier (68, or 64 if 68's write was cut short by the teardown), not the disk's step 60
