@@ -163,9 +163,13 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
 
+def _range(rows: list[dict]) -> list[float]:
+    return [min(r["recovery_s"] for r in rows), max(r["recovery_s"] for r in rows)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     from engine.data.prepare import STDLIB, prepare
 
@@ -185,7 +189,7 @@ def main() -> None:
 
     print(f"rank crash → first step of the next generation (2 ranks, tiny; median of {args.repeats}; "
           f"seconds after the kill)")
-    print(f"{'case':<24} {'total':>6} {'detect':>7} {'respawn':>8} {'started':>8} {'stepped':>8}   start-up stages")
+    print(f"{'case':<24} {'total (range)':>18} {'detect':>7} {'respawn':>8} {'started':>8} {'stepped':>8}   start-up stages")
     summary = {}
     for name in cases:
         rows = [r for r in results if r["case"] == name]
@@ -194,9 +198,10 @@ def main() -> None:
         summary[name] = {"recovery_s": _median(rows, "recovery_s"), "start_at_s": _median(rows, "start_at_s"),
                          "compile_at_s": _median(rows, "compile_at_s"), "first_step_at_s": _median(rows, "first_step_at_s"),
                          "detect_s": statistics.median(r["detect_s"] for r in rows if r["detect_s"] is not None),
-                         "startup_stages_s": stages, "standby_used": sum(r["standby"] for r in rows)}
+                         "startup_stages_s": stages, "standby_used": sum(r["standby"] for r in rows),
+                         "range_s": _range(rows)}
         s = summary[name]
-        print(f"{name:<24} {s['recovery_s']:>6.2f} {s['detect_s']:>7.2f} {s['start_at_s']:>8.2f} "
+        print(f"{name:<24} {s['recovery_s']:>6.2f} ({s['range_s'][0]:.2f}–{s['range_s'][1]:.2f}) {s['detect_s']:>7.2f} {s['start_at_s']:>8.2f} "
               f"{s['compile_at_s']:>8.2f} {s['first_step_at_s']:>8.2f}   "
               + " ".join(f"{k} {v:.2f}" for k, v in stages.items()))
     ratio = summary["cold"]["recovery_s"] / summary["standby"]["recovery_s"]
@@ -204,8 +209,11 @@ def main() -> None:
           f"{'met' if summary['standby']['recovery_s'] <= TARGET_CRASH_S else 'NOT met'}")
     daemon_s = statistics.median(r["recovery_s"] for r in daemon if r["local_group"])
     cluster_s = statistics.median(r["recovery_s"] for r in daemon if not r["local_group"])
-    print(f"daemon SIGKILLed → first step under a new daemon: {daemon_s:.2f} s (median of {args.repeats}; "
-          f"with MindSpore's cluster {cluster_s:.2f} s); "
+    daemon_range = _range([r for r in daemon if r["local_group"]])
+    cluster_range = _range([r for r in daemon if not r["local_group"]])
+    print(f"daemon SIGKILLed → first step under a new daemon: {daemon_s:.2f} s "
+          f"({daemon_range[0]:.2f}–{daemon_range[1]:.2f}; median of {args.repeats}; "
+          f"with MindSpore's cluster {cluster_s:.2f} s, {cluster_range[0]:.2f}–{cluster_range[1]:.2f}); "
           f"target ≤ {TARGET_DAEMON_S:.0f} s: {'met' if daemon_s <= TARGET_DAEMON_S else 'NOT met'}")
     print(f"hang detected {hang['detection_s']:.2f} s after injection (no progress for {hang['waited_s']} s; "
           f"timeout {hang['timeout_s']} s)")
@@ -213,7 +221,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "recovery.json").write_text(json.dumps({
         "benchmark": "recovery", "crash": summary, "crash_runs": results, "daemon_restart_s": daemon_s,
-        "daemon_restart_mindspore_cluster_s": cluster_s,
+        "daemon_restart_range_s": daemon_range, "daemon_restart_mindspore_cluster_s": cluster_s,
+        "daemon_restart_mindspore_cluster_range_s": cluster_range, "repeats": args.repeats,
         "daemon_runs": daemon, "hang": hang, "targets_s": {"crash": TARGET_CRASH_S, "daemon": TARGET_DAEMON_S},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
 
