@@ -40,7 +40,7 @@ def _stopped(pid: int) -> bool:
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-        except (FileNotFoundError, IndexError):
+        except (OSError, IndexError):      # the thread exited while we looked (gone, or ESRCH on read)
             continue
     return bool(states) and all(s in ("T", "t") for s in states)
 

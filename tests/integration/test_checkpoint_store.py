@@ -160,15 +160,15 @@ def _gone(pid: int) -> bool:
     the last one has, the process's files (its pipes) are still open."""
     try:
         return all(_state(task) == "Z" for task in Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 
 def _state(task: Path) -> str:
     try:
         return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "Z"                   # the thread exited while we looked
+    except (FileNotFoundError, ProcessLookupError):   # the thread exited while we looked (its stat
+        return "Z"                                     # opened, then read: ESRCH)
 
 
 def _wait_until(predicate, timeout_s: float) -> bool:

@@ -211,7 +211,7 @@ def _runs_fake_worker(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
         return stat.rsplit(")", 1)[1].split()[0] != "Z" and "fake_worker" in Path(f"/proc/{pid}/cmdline").read_text()
-    except FileNotFoundError:
+    except OSError:                  # gone, or exited between the open and the read (ESRCH)
         return False
 
 
