@@ -340,7 +340,7 @@ class Generation:
         stop_all(self.workers, grace_s=self.grace_s)
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
-        if self.port is not None and mindspore_env.is_local_group(self.cfg) and not mindspore_env.has_hub(self.cfg):
+        if self.port is not None and mindspore_env.sums_through_shared_memory(self.cfg):
             mindspore_env.remove_group_files(mindspore_env.local_group_prefix(port=self.port, generation=self.number))
         self.final_memory = self.memory_report()
         for w in self.ranks:

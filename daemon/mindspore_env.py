@@ -85,6 +85,11 @@ def has_hub(cfg: Config) -> bool:
     return is_local_group(cfg) and cfg.run.nodes > 1
 
 
+def sums_through_shared_memory(cfg: Config) -> bool:
+    """A local group on one machine: its sum lives in `/dev/shm` files the daemon removes after it."""
+    return is_local_group(cfg) and not has_hub(cfg)
+
+
 def needs_scheduler(cfg: Config) -> bool:
     """Whether the scheduler's machine starts a process for the generation: MindSpore's scheduler, or a
     local group's hub across machines."""

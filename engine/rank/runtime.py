@@ -171,7 +171,7 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
             raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} but the local group has "
                               f"{group.world} ranks ({ENV_LOCAL_WORLD}); they must match")
         _bind(cfg, group.rank % local_world, local_world)
-        return RankInfo(rank=group.rank, world_size=group.world, local_world_size=group.world, parallelism=decided)
+        return RankInfo(rank=group.rank, world_size=group.world, local_world_size=local_world, parallelism=decided)
     from mindspore import communication
 
     communication.init()
