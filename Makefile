@@ -54,6 +54,7 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/fingerprint_cost.py
 	$(BIN)/python bench/multinode_scale.py
 	$(BIN)/python bench/multinode_recovery.py
+	$(BIN)/python bench/performance_table.py --write
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,251 @@
+"""The README's Performance tables, rendered from bench/results/*.json.
+
+Every figure in the tables is read from the JSON a bench wrote; the footnote names each file's
+date, so a reader sees which sitting a row came from. `make bench` ends with `--write`, which
+replaces the README's block between the two markers; a unit test keeps the block and the
+results in step.
+
+    python bench/performance_table.py            # print the block
+    python bench/performance_table.py --write    # rewrite it in README.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+README = ROOT / "README.md"
+START = "<!-- performance-table:start (bench/performance_table.py --write) -->"
+END = "<!-- performance-table:end -->"
+
+
+def _load(results: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results.glob("*.json"))}
+
+
+def _when(doc: dict) -> str:
+    stamp = doc.get("created") or doc.get("when") or "?"
+    return stamp[:16].replace("T", " ")
+
+
+def _tps(m: dict) -> str:
+    if "tokens_per_s_range" not in m:
+        return f"{m['tokens_per_s']:,.0f}"
+    lo, hi = m["tokens_per_s_range"]
+    return f"{m['tokens_per_s']:,.0f} ({lo:,.0f}–{hi:,.0f})"
+
+
+def _seconds(median: float, span: list | tuple | None) -> str:
+    return f"**{median:.2f} s** ({span[0]:.2f}–{span[1]:.2f})" if span else f"**{median:.2f} s**"
+
+
+def _target(text: str, met: bool) -> str:
+    """A target cell that says whether this run met it."""
+    return f"{text}: met" if met else f"{text}: **not met**"
+
+
+def _at_most(share: float) -> str:
+    return f"≤ {100 * share:g} %"
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:+.1f} %" if x < 0 else f"{100 * x:.1f} %"
+
+
+def vs_pytorch(doc: dict) -> list[str]:
+    rows = ["| case | this project | MindSpore's stock ops | HF LLaMA, eager | HF LLaMA, `torch.compile` "
+            "| × eager | × compiled | peak RSS, × eager |",
+            "|---|---|---|---|---|---|---|---|"]
+    for name, r in doc["results"].items():
+        s = r["summary"]
+        p, eager, compiled = s["project"], s.get("torch"), s.get("torch.compile")
+        cells = [name, _tps(p), _tps(s["mindspore"]), _tps(eager) if eager else "—",
+                 _tps(compiled) if compiled else "—",
+                 f"**{p['tokens_per_s'] / eager['tokens_per_s']:.2f}×**" if eager else "—",
+                 f"**{p['tokens_per_s'] / compiled['tokens_per_s']:.2f}×**" if compiled else "—",
+                 f"{p['peak_rss_gb']:.2f} GB, {p['peak_rss_gb'] / eager['peak_rss_gb']:.2f}×" if eager
+                 else f"{p['peak_rss_gb']:.2f} GB"]
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def dp_scaling(doc: dict) -> list[str]:
+    rows = ["| config | 1 rank × 1 core | 2 ranks × 1 core each | × 1 core | 1 rank, whole machine | × whole machine |",
+            "|---|---|---|---|---|---|"]
+    for name, r in doc["results"].items():
+        t, span = r["tokens_per_s"], r.get("tokens_per_s_range", {})
+
+        def cell(side: str) -> str:
+            return _tps({"tokens_per_s": t[side], **({"tokens_per_s_range": span[side]} if side in span else {})})
+
+        rows.append(f"| {name} | {cell('one_core')} | {cell('two_ranks')} | **{r['ratio']:.2f}×** | "
+                    f"{cell('whole_machine')} | {r['ratio_to_whole_machine']:.2f}× |")
+    return rows
+
+
+def faults(docs: dict[str, dict]) -> list[str]:
+    rows = ["| what | measured: median (range) | target | bench |", "|---|---|---|---|"]
+    rec = docs.get("recovery")
+    if rec:
+        crash = rec["crash"]
+        n = f", {rec['repeats']} repeats" if "repeats" in rec else ""
+        labels = {"standby": "a rank SIGKILLed → the next generation's first step (the default: warm standby)",
+                  "cold": "… cold (`run.standby = false`)",
+                  "cold, no compile cache": "… cold, without the compile cache",
+                  "cold, MindSpore cluster": "… cold, on MindSpore's cluster (`parallel.local_reduce = false`)"}
+        for case, label in labels.items():
+            if case in crash:
+                target = _target("≤ 3 s", crash[case]["recovery_s"] <= 3) if case == "standby" else ""
+                rows.append(f"| {label} | {_seconds(crash[case]['recovery_s'], crash[case].get('range_s'))} | "
+                            f"{target} | `recovery.py`{n} |")
+        if "cold" in crash:
+            c = crash["cold"]
+            stages = c["startup_stages_s"]
+            rows.append(f"| where the cold restart's time goes (seconds after the kill) | detected {c['detect_s']:.2f}, "
+                        f"next generation started {c['start_at_s']:.2f}, compiling (from the cache) from "
+                        f"{c['compile_at_s']:.2f} (the interpreter and imports {stages.get('launch', 0):.2f} of it), "
+                        f"first step {c['first_step_at_s']:.2f} | | `recovery.py` |")
+        rows.append(f"| the daemon SIGKILLed → the first step under the next one | "
+                    f"{_seconds(rec['daemon_restart_s'], rec.get('daemon_restart_range_s'))} | "
+                    f"{_target('≤ 5 s', rec['daemon_restart_s'] <= 5)} | `recovery.py` |")
+        rows.append(f"| … on MindSpore's cluster | {_seconds(rec['daemon_restart_mindspore_cluster_s'], rec.get('daemon_restart_mindspore_cluster_range_s'))}"
+                    f" | | `recovery.py` |")
+        hang = rec["hang"]
+        rows.append(f"| a hung rank detected (no progress for {hang['waited_s']} s; timeout {hang['timeout_s']} s) | "
+                    f"{hang['detection_s']:.2f} s after the hang | | `recovery.py` |")
+    mn = docs.get("multinode_recovery")
+    if mn:
+        labels = {"rank_crash": ("a rank SIGKILLed, 2 hosts", 3), "host_lost": ("host 2 of 3 lost", 6),
+                  "host0_lost": ("host 0 of 3 lost (the decider, the hub, an etcd member)", 6)}
+        for case, (label, target) in labels.items():
+            c = mn["cases"].get(case)
+            if not c:
+                continue
+            others = "; ".join(f"{variant} {c[variant]['median_s']:.2f} s ({c[variant]['min_s']:.2f}–{c[variant]['max_s']:.2f})"
+                               for variant, name in (("cold", "cold"), ("cluster", "cluster")) if variant in c)
+            d = c["default"]
+            rows.append(f"| {label} → the first step on every host left | **{d['median_s']:.2f} s** "
+                        f"({d['min_s']:.2f}–{d['max_s']:.2f}); {others.replace('cluster', 'on MindSpore’s cluster')} | "
+                        f"{_target(f'≤ {target} s', d['median_s'] <= target)} | `multinode_recovery.py`, {mn['rounds']} rounds |")
+    scale = docs.get("multinode_scale")
+    if scale:
+        for size in scale["sizes"]:
+            crash, killed = size["rank_crash"], size["decider_killed"]
+            rows.append(f"| {size['machines']} machines × {scale['ranks_per_machine']} ranks simulated: a rank crash → "
+                        f"every machine stepping; the decider killed → elected, stepping | "
+                        f"p50 {crash['first_step_s']['p50']:.2f} s, p99 {crash['first_step_s']['p99']:.2f} s; "
+                        f"elected {killed['elected_s']:.2f} s after its lease expired, stepping p50 "
+                        f"{killed['first_step_s']['p50']:.2f} s | | `multinode_scale.py` |")
+    good = docs.get("goodput")
+    if good:
+        for r in good["results"]:
+            f, goal = r["faulty"], f"≥ {r['target']:.2f}"
+            rows.append(f"| goodput, a rank killed every ~{r['interval_s']:.0f} s ({len(f['faults'])} kills in "
+                        f"{f['wall_s']:.0f} s) | **{r['goodput']:.3f}** | {_target(goal, r['goodput'] >= r['target'])} | `goodput.py` |")
+        mix = good.get("mix")
+        if mix and "reruns" in mix:
+            rows.append(f"| goodput, kills every ~{mix['kill_every_s']:.0f} s and a flipped bit every "
+                        f"~{mix['bitflip_every_s']:.0f} s ({mix['wall_s']:.0f} s) | **{mix['reruns']['goodput']:.3f}** "
+                        f"with reruns (`health.rerun`, the default); {mix['today']['goodput']:.3f} rolling back | | "
+                        f"`goodput.py --mix` |")
+    return rows
+
+
+def costs(docs: dict[str, dict]) -> list[str]:
+    rows = ["| what | measured | target | bench |", "|---|---|---|---|"]
+    ram = docs.get("ram_tier")
+    if ram:
+        goal = ram.get("target_throughput_loss", 0.02)
+        rows.append(f"| a RAM checkpoint every {ram['interval_steps']} steps (tiny): throughput lost | "
+                    f"**{_pct(ram['block_throughput_loss'])}** ± {100 * ram['block_throughput_loss_se']:.1f} "
+                    f"(the A/A control: {_pct(ram['control_throughput_loss'])} ± {100 * ram['control_throughput_loss_se']:.1f}); "
+                    f"a save blocks {1000 * ram['blocking_s_median']:.1f} ms, a step is {1000 * ram['step_s']:.1f} ms | "
+                    f"{_target(_at_most(goal), ram['block_throughput_loss'] <= goal)} | "
+                    f"`ram_tier.py`, {ram['triples']} triples |")
+    stall = docs.get("checkpoint_stall")
+    if stall:
+        goals = stall["targets"]
+        steps = sorted(stall["steps_per_s_plain"])[len(stall["steps_per_s_plain"]) // 2]
+        rows.append(f"| an async disk checkpoint (small-20m, {stall['state_bytes'] / 1e6:.0f} MB): the step blocked, "
+                    f"against a synchronous save | **{100 * stall['blocking_over_synchronous']:.1f} %** | "
+                    f"{_target(_at_most(goals['blocking_over_synchronous']), stall['blocking_over_synchronous'] <= goals['blocking_over_synchronous'])} | "
+                    f"`checkpoint_stall.py` |")
+        rows.append(f"| … throughput with one every {stall['interval_steps']} steps against none ({steps:.1f} steps/s "
+                    f"without) | **{_pct(stall['throughput_loss'])}** lost | "
+                    f"{_target(_at_most(goals['throughput_loss']), stall['throughput_loss'] <= goals['throughput_loss'])} | "
+                    f"`checkpoint_stall.py` |")
+    data = docs.get("data_throughput")
+    if data:
+        goal = data.get("target_ratio", 20.0)
+        rows.append(f"| the input pipeline against what tiny training consumes | **{data['ratio']:.0f}×** "
+                    f"({data['pipeline_tokens_per_s']:,.0f} against {data['train_tokens_per_s']:,.0f} tokens/s; the "
+                    f"step's wait for data: median {1000 * data['median_data_wait_s']:.2f} ms) | "
+                    f"{_target(f'≥ {goal:.0f}×', data['ratio'] >= goal)} | `data_throughput.py` |")
+    val = docs.get("validation_cost")
+    if val:
+        lo, hi = val["cost_range"]
+        rows.append(f"| the validation loss every {val['interval_steps']} steps ({val['eval_batches']} batches, tiny) | "
+                    f"**{100 * val['cost_median']:.2f} %** ({100 * lo:.2f}–{100 * hi:.2f} %) of wall time | "
+                    f"{_target(_at_most(val['target']), val['cost_median'] <= val['target'])} | "
+                    f"`validation_cost.py` |")
+    fp = docs.get("fingerprint_cost")
+    if fp:
+        lo, hi = fp["cost_range"]
+        rows.append(f"| replica fingerprints every {fp['interval_steps']} steps ({fp['config']}) | "
+                    f"**{100 * fp['cost_median']:.3f} %** ({100 * lo:.3f}–{100 * hi:.3f} %) | "
+                    f"{_target(_at_most(fp['target']), fp['cost_median'] <= fp['target'])} | "
+                    f"`fingerprint_cost.py` |")
+    return rows
+
+
+def render(results: Path = RESULTS) -> str:
+    docs = _load(results)
+    parts: list[str] = []
+    if "vs_pytorch" in docs:
+        doc = docs["vs_pytorch"]
+        rounds = max(m.get("rounds", 1) for r in doc["results"].values() for m in r["summary"].values())
+        parts += [f"Against PyTorch (`bench/vs_pytorch.py --recompute`): wall-clock tokens/s, the median of "
+                  f"{rounds} interleaved rounds with their range; each implementation in its own process.", ""]
+        parts += vs_pytorch(doc) + [""]
+    if "dp_scaling" in docs:
+        parts += ["Data parallel on one machine (`bench/dp_scaling.py`): wall-clock tokens/s from the step events, "
+                  "the same global batch, real `run`s interleaved; target 1.6× on small-20m.", ""]
+        parts += dp_scaling(docs["dp_scaling"]) + [""]
+    parts += ["Faults and recovery (seconds from the fault to the first step after it):", ""]
+    parts += faults(docs) + [""]
+    parts += ["What the safety nets cost:", ""]
+    parts += costs(docs) + [""]
+    parts.append("Measured: " + "; ".join(f"{name} {_when(doc)}" for name, doc in docs.items()) + " (UTC).")
+    return "\n".join(parts)
+
+
+def replace_block(text: str, block: str) -> str:
+    """The README with its block between the markers replaced."""
+    try:
+        head, rest = text.split(START, 1)
+        _, tail = rest.split(END, 1)
+    except ValueError:
+        raise SystemExit(f"README.md has no block between {START!r} and {END!r}") from None
+    return f"{head}{START}\n{block}\n{END}{tail}"
+
+
+def current_block(text: str) -> str:
+    return text.split(START, 1)[1].split(END, 1)[0].strip("\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="rewrite the block in README.md")
+    args = parser.parse_args()
+    block = render()
+    if args.write:
+        README.write_text(replace_block(README.read_text(), block))
+    else:
+        sys.stdout.write(block + "\n")
+
+
+if __name__ == "__main__":
+    main()
