@@ -41,14 +41,24 @@ def locate(root: Path = CGROUP_ROOT, proc_cgroup: str | None = None) -> tuple[in
     text = proc_cgroup if proc_cgroup is not None else Path("/proc/self/cgroup").read_text()
     v2, v1 = _own_paths(text)
     if v1 is not None and (root / "memory" / "memory.limit_in_bytes").exists():
-        return 1, root / "memory" / v1.lstrip("/")
+        return 1, _creatable(root / "memory" / v1.lstrip("/"))
     if v2 is not None:
         base = root / v2.lstrip("/")
         controllers = base / "cgroup.controllers"
         if controllers.exists() and "memory" in controllers.read_text().split():
-            return 2, base
+            return 2, _creatable(base)
     raise CgroupError("no memory cgroup controller is available to this process (cgroup v2 needs "
                       "Delegate=yes under systemd; v1 needs the memory controller mounted)")
+
+
+def _creatable(path: Path) -> Path:
+    """`path`, if this process may create cgroups in it: said at the daemon's start, not by the first
+    generation's ranks after MindSpore has started."""
+    if not os.access(path, os.W_OK):
+        raise CgroupError(f"cannot create memory cgroups under {path}: permission denied "
+                          "(run.worker_memory_limit_bytes needs root, or a cgroup delegated to this user: "
+                          "Delegate=yes under systemd)")
+    return path
 
 
 class MemoryCgroup:

@@ -219,7 +219,7 @@ def _memcg_available() -> bool:
 OOM_SHAPE = ["data.seq_len=256", "train.global_batch=32", "train.recompute=true", "train.steps=3"]
 
 
-@pytest.mark.skipif(not _memcg_available(), reason="needs a memory cgroup controller (root)")
+@pytest.mark.skipif(not _memcg_available(), reason="needs root and a memory cgroup controller")
 def test_out_of_memory_restarts_at_half_the_micro_batch_and_completes(cli, quiet_env, tmp_path, stdlib_corpus):
     peaks = {}
     for micro, accum in ((16, 1), (8, 2)):

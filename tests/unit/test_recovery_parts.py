@@ -306,3 +306,13 @@ def test_both_kinds_of_peers_implement_the_seam_the_supervisor_is_typed_against(
                 f"{kind.__name__}.{name}{inspect.signature(getattr(kind, name))} is not the seam's {name}{signature}"
         assert "is_leader" in dir(kind)
     assert "self.peers: peers.Peers" in inspect.getsource(supervisor.Supervisor.__init__)
+
+
+def test_a_memory_cgroup_this_user_cannot_create_in_is_refused_at_the_start(tmp_path, monkeypatch):
+    v1 = "4:memory:/process_api/abc\n0::/\n"
+    parent = tmp_path / "memory" / "process_api" / "abc"
+    parent.mkdir(parents=True)
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("max")
+    monkeypatch.setattr(memcg.os, "access", lambda path, mode: str(path) != str(parent))   # as an unprivileged user sees it
+    with pytest.raises(memcg.CgroupError, match="cannot create memory cgroups under .*permission denied.*needs root"):
+        memcg.locate(tmp_path, v1)
