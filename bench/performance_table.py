@@ -124,11 +124,11 @@ def faults(docs: dict[str, dict]) -> list[str]:
             c = mn["cases"].get(case)
             if not c:
                 continue
-            others = "; ".join(f"{variant} {c[variant]['median_s']:.2f} s ({c[variant]['min_s']:.2f}–{c[variant]['max_s']:.2f})"
-                               for variant, name in (("cold", "cold"), ("cluster", "cluster")) if variant in c)
+            others = "; ".join(f"{name} {c[variant]['median_s']:.2f} s ({c[variant]['min_s']:.2f}–{c[variant]['max_s']:.2f})"
+                               for variant, name in (("cold", "cold"), ("cluster", "on MindSpore’s cluster")) if variant in c)
             d = c["default"]
             rows.append(f"| {label} → the first step on every host left | **{d['median_s']:.2f} s** "
-                        f"({d['min_s']:.2f}–{d['max_s']:.2f}); {others.replace('cluster', 'on MindSpore’s cluster')} | "
+                        f"({d['min_s']:.2f}–{d['max_s']:.2f}); {others} | "
                         f"{_target(f'≤ {target} s', d['median_s'] <= target)} | `multinode_recovery.py`, {mn['rounds']} rounds |")
     scale = docs.get("multinode_scale")
     if scale:
@@ -186,19 +186,20 @@ def costs(docs: dict[str, dict]) -> list[str]:
                     f"{_target(f'≥ {goal:.0f}×', data['ratio'] >= goal)} | `data_throughput.py` |")
     val = docs.get("validation_cost")
     if val:
-        lo, hi = val["cost_range"]
-        rows.append(f"| the validation loss every {val['interval_steps']} steps ({val['eval_batches']} batches, tiny) | "
-                    f"**{100 * val['cost_median']:.2f} %** ({100 * lo:.2f}–{100 * hi:.2f} %) of wall time | "
-                    f"{_target(_at_most(val['target']), val['cost_median'] <= val['target'])} | "
-                    f"`validation_cost.py` |")
+        rows.append(_share_row(val, f"the validation loss every {val['interval_steps']} steps "
+                                    f"({val['eval_batches']} batches, tiny)", 2, " of wall time", "validation_cost.py"))
     fp = docs.get("fingerprint_cost")
     if fp:
-        lo, hi = fp["cost_range"]
-        rows.append(f"| replica fingerprints every {fp['interval_steps']} steps ({fp['config']}) | "
-                    f"**{100 * fp['cost_median']:.3f} %** ({100 * lo:.3f}–{100 * hi:.3f} %) | "
-                    f"{_target(_at_most(fp['target']), fp['cost_median'] <= fp['target'])} | "
-                    f"`fingerprint_cost.py` |")
+        rows.append(_share_row(fp, f"replica fingerprints every {fp['interval_steps']} steps ({fp['config']})", 3, "",
+                               "fingerprint_cost.py"))
     return rows
+
+
+def _share_row(doc: dict, what: str, digits: int, of: str, bench: str) -> str:
+    """A cost bench's row: its median share (`cost_median`) with the range, against its `target`."""
+    lo, hi = doc["cost_range"]
+    return (f"| {what} | **{100 * doc['cost_median']:.{digits}f} %** ({100 * lo:.{digits}f}–{100 * hi:.{digits}f} %){of} | "
+            f"{_target(_at_most(doc['target']), doc['cost_median'] <= doc['target'])} | `{bench}` |")
 
 
 def render(results: Path = RESULTS) -> str:
