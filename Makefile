@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 ARGS ?=
 # the optional dependencies installed (pyproject.toml): `test`, and `interop` (torch 2.13.0 +
-# transformers, for the reference comparisons); commas or spaces between them: EXTRAS="test interop"
+# transformers, for the reference comparisons), `docs` (mkdocs); commas or spaces between them: EXTRAS="test interop"
 EXTRAS ?= test
 comma := ,
 empty :=
@@ -15,7 +15,7 @@ EXTRAS_LIST := $(subst $(space),$(comma),$(strip $(subst $(comma),$(space),$(EXT
 # one stamp per set of extras: asking for another set installs it into the same venv
 INSTALLED := $(VENV)/.installed-$(subst $(comma),-,$(EXTRAS_LIST))
 
-.PHONY: demo test test-fast bench clean
+.PHONY: demo test test-fast bench docs clean
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,13 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/multinode_scale.py
 	$(BIN)/python bench/multinode_recovery.py
 	$(BIN)/python bench/performance_table.py --write
+
+# the documentation site: docs/ as mkdocs.yml names it, built into site/ with --strict (a broken link, or a
+# page missing from the nav, fails it); installs the `docs` extra beside the EXTRAS asked for
+DOCS_EXTRAS := $(if $(filter docs,$(subst $(comma),$(space),$(EXTRAS_LIST))),$(EXTRAS_LIST),$(EXTRAS_LIST)$(comma)docs)
+docs:
+	$(MAKE) --no-print-directory $(VENV)/.installed-$(subst $(comma),-,$(DOCS_EXTRAS)) EXTRAS=$(DOCS_EXTRAS)
+	$(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
