@@ -1,12 +1,12 @@
-"""The README's Performance tables, rendered from bench/results/*.json.
+"""The Performance page's tables (docs/performance.md), rendered from bench/results/*.json.
 
 Every figure in the tables is read from the JSON a bench wrote; the footnote names each file's
 date, so a reader sees which sitting a row came from. `make bench` ends with `--write`, which
-replaces the README's block between the two markers; a unit test keeps the block and the
+replaces the page's block between the two markers; a unit test keeps the block and the
 results in step.
 
     python bench/performance_table.py            # print the block
-    python bench/performance_table.py --write    # rewrite it in README.md
+    python bench/performance_table.py --write    # rewrite it in docs/performance.md
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "performance.md"
 START = "<!-- performance-table:start (bench/performance_table.py --write) -->"
 END = "<!-- performance-table:end -->"
 
@@ -224,12 +224,12 @@ def render(results: Path = RESULTS) -> str:
 
 
 def replace_block(text: str, block: str) -> str:
-    """The README with its block between the markers replaced."""
+    """The page with its block between the markers replaced."""
     try:
         head, rest = text.split(START, 1)
         _, tail = rest.split(END, 1)
     except ValueError:
-        raise SystemExit(f"README.md has no block between {START!r} and {END!r}") from None
+        raise SystemExit(f"{PAGE.relative_to(ROOT)} has no block between {START!r} and {END!r}") from None
     return f"{head}{START}\n{block}\n{END}{tail}"
 
 
@@ -239,11 +239,11 @@ def current_block(text: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the block in README.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the block in docs/performance.md")
     args = parser.parse_args()
     block = render()
     if args.write:
-        README.write_text(replace_block(README.read_text(), block))
+        PAGE.write_text(replace_block(PAGE.read_text(), block))
     else:
         sys.stdout.write(block + "\n")
 

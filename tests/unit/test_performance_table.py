@@ -1,4 +1,5 @@
-"""The README's Performance tables are the bench results: rendered from bench/results/*.json, never typed."""
+"""The Performance page's tables (docs/performance.md) are the bench results: rendered from bench/results/*.json,
+never typed."""
 import importlib.util
 import json
 import shutil
@@ -14,11 +15,12 @@ def _table():
     return module
 
 
-def test_the_readme_shows_what_the_committed_results_say():
+def test_the_performance_page_shows_what_the_committed_results_say():
     table = _table()
-    readme = (ROOT / "README.md").read_text()
-    assert table.current_block(readme) == table.render(ROOT / "bench" / "results"), (
-        "README.md's Performance tables differ from bench/results: run `python bench/performance_table.py --write`")
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert table.PAGE == ROOT / "docs" / "performance.md"
+    assert table.current_block(page) == table.render(ROOT / "bench" / "results"), (
+        "docs/performance.md's tables differ from bench/results: run `python bench/performance_table.py --write`")
 
 
 def test_a_rerun_bench_changes_the_figures_shown(tmp_path):
@@ -43,7 +45,7 @@ def test_a_rerun_bench_changes_the_figures_shown(tmp_path):
     assert block != table.render(ROOT / "bench" / "results")
 
 
-def test_writing_the_block_keeps_the_rest_of_the_readme(tmp_path):
+def test_writing_the_block_keeps_the_rest_of_the_page(tmp_path):
     table = _table()
     text = f"# title\n\nbefore\n{table.START}\nold rows\n{table.END}\nafter\n"
     out = table.replace_block(text, "new rows")
