@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from recovery import _at, _daemon, _events, _stop  # noqa: E402
 
-from daemon.state import RunState  # noqa: E402
+from daemon.records.state import RunState  # noqa: E402
 
 TARGETS = {60: 0.90, 300: 0.97}
 EXTRA = ["checkpoint.memory_interval_steps=1", "checkpoint.interval_steps=50"]
@@ -55,7 +55,7 @@ def _final_step(run: Path) -> int:
 
 def soak(workdir: Path, corpus: Path, *, wall_s: float, interval_s: float | None, rng: random.Random,
          bitflip_s: float | None = None, extra: tuple = ()) -> dict:
-    from daemon import control
+    from daemon.processes import control
 
     run = workdir / f"{'faults' if interval_s else 'clean'}-{time.monotonic_ns()}"
     daemon = _daemon(run, corpus, cache=True, standby=True, extra=(*EXTRA, *extra))

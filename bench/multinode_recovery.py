@@ -20,7 +20,7 @@ TTL 3 s, rejoin timeout 0 s), three ways, rounds interleaved:
 Each figure is seconds from the fault, the median of --rounds with the range; the targets (issue 33):
 rank crash ≤ 3 s, host lost ≤ lease + 3 s. The elastic run keeps its micro-batch on two hosts (global
 batch 24: 3 x 4 x 2 becomes 2 x 4 x 3), so a local group's smaller generation reuses the compiled step
-(daemon/run_files.py); MindSpore's cluster compiles its new shape. Needs root (network namespaces).
+(daemon/processes/run_files.py); MindSpore's cluster compiles its new shape. Needs root (network namespaces).
 Writes bench/results/multinode_recovery.json.
 
     sudo python bench/multinode_recovery.py [--rounds 3] [--cases rank_crash,host_lost,host0_lost]

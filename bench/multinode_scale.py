@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="4,16,64")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    from daemon.embedded_etcd import INSTALL_ETCD, find_etcd
+    from daemon.machines.embedded_etcd import INSTALL_ETCD, find_etcd
 
     if find_etcd() is None:
         print(f"bench/multinode_scale.py: skipped: no etcd binary: {INSTALL_ETCD}")

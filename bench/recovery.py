@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from contracts.protocol import Command  # noqa: E402
-from daemon.state import RunState  # noqa: E402
+from daemon.records.state import RunState  # noqa: E402
 
 TARGET_CRASH_S, TARGET_DAEMON_S = 3.0, 5.0
 

@@ -12,8 +12,8 @@ from chaos.soak import Daemon, Plan, Soak, reference_digest, verdict, write_repo
 from contracts.config import Config, load_config, with_changes
 from contracts.errors import ConfigError
 from contracts.protocol import ExitCode
-from daemon.lock import holder
-from daemon.runs import RunNotFoundError, resolve_run_dir
+from contracts.runs import RunNotFoundError, resolve_run_dir
+from daemon.processes.lock import holder
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
 

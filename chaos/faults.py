@@ -15,17 +15,33 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from chaos.view import RunView
+from contracts.config import Config
 from contracts.protocol import InjectRequest
-from daemon import control
+from daemon.processes import control
 
-if TYPE_CHECKING:
-    from chaos.soak import Soak
+
+class Restarter(Protocol):
+    def killed(self, pid: int) -> None: ...
+
+
+class Soak(Protocol):
+    """What a fault needs of the soak that injects it (chaos.soak.Soak is one): the run, how to read it,
+    the random source, and the daemon's keeper, told of a daemon it killed."""
+
+    cfg: Config
+    run_dir: Path
+    view: RunView
+    rng: random.Random
+    daemon: Restarter
+
 
 CRASH_ONLY = ("crash", "sigstop", "hang", "daemon-kill", "disk-full")   # recovery keeps the trajectory bit-exact
 NUMERIC = ("nan", "spike")                                             # rollbacks change it by design
@@ -55,7 +71,7 @@ class Injection:
         return out
 
 
-def inject(fault: str, soak: "Soak") -> Injection:
+def inject(fault: str, soak: Soak) -> Injection:
     generation, step = soak.view.last_step()
     inj = Injection(fault, time.time(), generation, step)
     {"crash": _signal_rank, "sigstop": _signal_rank, "hang": _drill, "nan": _drill, "spike": _drill,
@@ -63,7 +79,7 @@ def inject(fault: str, soak: "Soak") -> Injection:
     return inj
 
 
-def _signal_rank(soak: "Soak", inj: Injection) -> None:
+def _signal_rank(soak: Soak, inj: Injection) -> None:
     pids = {r: p for r, p in soak.view.rank_pids().items() if r >= 0}      # -1 is the scheduler
     inj.rank = soak.rng.choice(sorted(pids))
     sig = signal.SIGKILL if inj.fault == "crash" else signal.SIGSTOP
@@ -71,7 +87,7 @@ def _signal_rank(soak: "Soak", inj: Injection) -> None:
     inj.detail = f"{sig.name} to rank {inj.rank} (pid {pids[inj.rank]})"
 
 
-def _drill(soak: "Soak", inj: Injection) -> None:
+def _drill(soak: Soak, inj: Injection) -> None:
     inj.rank = soak.rng.randrange(soak.cfg.parallel.world_size)
     body = {"fault": inj.fault, "rank": inj.rank}
     if inj.fault == "hang":
@@ -81,7 +97,7 @@ def _drill(soak: "Soak", inj: Injection) -> None:
     inj.detail = f"{inj.fault} drill on rank {inj.rank} ({path.name})"
 
 
-def _kill_daemon(soak: "Soak", inj: Injection) -> None:
+def _kill_daemon(soak: Soak, inj: Injection) -> None:
     pid = soak.view.daemon_pid()
     if pid is None:
         raise RuntimeError("no daemon pid in daemon.lock")
@@ -91,7 +107,7 @@ def _kill_daemon(soak: "Soak", inj: Injection) -> None:
     soak.daemon.killed(pid)
 
 
-def _fill_disk(soak: "Soak", inj: Injection) -> None:
+def _fill_disk(soak: Soak, inj: Injection) -> None:
     root = soak.run_dir / "checkpoints"
     keep = max(1 << 20, last_checkpoint_bytes(root) // 2)
     # before the first checkpoint there is no checkpoints/ yet: the run directory is on the same filesystem
@@ -105,7 +121,7 @@ def _fill_disk(soak: "Soak", inj: Injection) -> None:
     inj.detail = f"{max(size, 0):,} bytes of ballast: {keep:,} left free, under one checkpoint"
 
 
-def clear_disk(soak: "Soak") -> None:
+def clear_disk(soak: Soak) -> None:
     (soak.run_dir / BALLAST).unlink(missing_ok=True)
 
 
@@ -124,7 +140,7 @@ def _detects(event: dict, fault: str) -> bool:
     return name in kinds or (name in ("incident_detected", "incident") and event.get("kind") in kinds)
 
 
-def settled(soak: "Soak", inj: Injection) -> bool:
+def settled(soak: Soak, inj: Injection) -> bool:
     """Polled until True: fills in detection, recovery, resume step and steps lost."""
     view, now = soak.view, time.time()
     if inj.fault == "disk-full":
@@ -146,7 +162,7 @@ def settled(soak: "Soak", inj: Injection) -> bool:
     return True
 
 
-def _disk_settled(soak: "Soak", inj: Injection, now: float) -> bool:
+def _disk_settled(soak: Soak, inj: Injection, now: float) -> bool:
     view = soak.view
     if inj._cleared_at is None:
         failed = view.first("checkpoint_failed", inj.at)

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from daemon.eventlog import ts_unix_s
+from daemon.records.eventlog import ts_unix_s
 
 
 def _lines(path: Path) -> Iterator[dict[str, Any]]:

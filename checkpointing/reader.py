@@ -18,9 +18,9 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-import durable
 from checkpointing import CheckpointError, checksums, layout
 from checkpointing.writer import FORMAT, VERSION
+import durable
 
 
 def read_manifest(path: Path) -> dict[str, Any]:

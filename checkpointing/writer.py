@@ -37,9 +37,9 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import safetensors.numpy as safetensors_numpy
 
-import durable
 from checkpointing import CheckpointError, checksums, layout, retention
 from checkpointing.safetensors_parts import PartsCache, parts_and_table
+import durable
 
 FORMAT = "llm-pretrain-checkpoint"
 VERSION = 1

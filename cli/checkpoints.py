@@ -8,7 +8,7 @@ from pathlib import Path
 
 from checkpointing import CheckpointError, layout, reader
 from contracts.protocol import ExitCode
-from daemon.runs import resolve_run_dir
+from contracts.runs import resolve_run_dir
 
 
 def _rows(root: Path) -> list[dict]:

@@ -17,7 +17,7 @@ from checkpointing import CheckpointError
 from contracts.config import config_hash, load_config
 from contracts.errors import CantCreateError, ConfigError, DataError
 from contracts.protocol import ENV_STANDBY_FD, FAULTS, ExitCode, InjectRequest
-from daemon.runs import RunNotFoundError, resolve_run_dir
+from contracts.runs import RunNotFoundError, resolve_run_dir
 
 _EXIT_MEANINGS = {
     ExitCode.OK: "finished, or stopped on request",
@@ -94,7 +94,7 @@ def _add_log_format(parser, when: str) -> None:
 def _console(args: argparse.Namespace, *, default: bool, total_steps: int | None = None):
     """stdout rendered for people when asked, or by default on a terminal; None: JSON lines."""
     if args.log_format == "console" or (args.log_format == "auto" and default and sys.stdout.isatty()):
-        from daemon.console import ConsoleStream
+        from cli.console import ConsoleStream
 
         return ConsoleStream(sys.stdout, total_steps=total_steps)
     return None
@@ -138,7 +138,7 @@ def _add_operations(sub) -> None:
     logs.add_argument("--rank", type=int, help="only events about this rank")
     logs.add_argument("--json", action="store_true", help="the JSON lines as they are")
 
-    from daemon.control import VERBS
+    from daemon.judging.requests import VERBS
 
     for name, verb in VERBS.items():
         if name == "inject":
@@ -363,7 +363,7 @@ def _control_dir(run: str, *, queue: bool = False):
     machine (its lock held here), else that of the first node whose daemon runs anywhere, else node 0's:
     a request on any node reaches the decider and acts on all."""
     from cli.status import node_dirs
-    from daemon.lock import holder
+    from daemon.processes.lock import holder
 
     run_dir = resolve_run_dir(run)
     nodes = node_dirs(run_dir)
@@ -386,7 +386,7 @@ def _local_pid(pid: str | None) -> bool:
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
-    from daemon import control
+    from daemon.processes import control
 
     control_dir = _control_dir(args.run, queue=args.queue)
     path = control.write_request(control_dir, args.command, {"reason": args.reason} if args.reason else {})
@@ -406,7 +406,7 @@ def _cmd_logs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from cli import status
-    from daemon.state import RunState, StateCorruptError
+    from daemon.records.state import RunState, StateCorruptError
 
     run_dir = resolve_run_dir(args.run)
     try:
@@ -509,7 +509,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_inject(args: argparse.Namespace) -> int:
-    from daemon import control
+    from daemon.processes import control
 
     body = {"fault": args.fault, "rank": args.rank, "at_step": args.at_step, "steps": args.steps,
             "seconds": args.seconds}
@@ -533,7 +533,7 @@ def _cmd_install_service(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
 
-    from daemon import service
+    from cli import service
 
     if args.config:
         _load_config(args.config, [])            # the planner's fit check too, not only the schema's

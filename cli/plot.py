@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from contracts.protocol import ExitCode
-from daemon.incidents import Halt, IncidentRecord, Restart, Rollback
-from daemon.state import RunState
+from daemon.judging.incidents import Halt, IncidentRecord, Restart, Rollback
+from daemon.records.state import RunState
 
 COLORS = {"loss_spike": "tab:red", "loss_collapse": "tab:cyan", "non_finite": "tab:purple",
           "overflow_storm": "tab:orange", "grad_norm_spike": "tab:pink", "crash": "tab:gray", "hang": "tab:brown",

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Iterator, TextIO
 
 from checkpointing import layout
-from daemon.state import RunState
+from daemon.records.state import RunState
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
@@ -35,7 +35,7 @@ def _daemon_alive(state: RunState) -> bool:
 
 def _unsupervised(state: RunState) -> list[int]:
     """Recorded processes of the run still alive (same pid and start time) although its daemon is not."""
-    from daemon.generation import is_running
+    from daemon.processes.generation import is_running
 
     return [p["pid"] for p in state.processes if is_running(p)]
 
@@ -98,7 +98,7 @@ def _live_nodes(run_dir: Path) -> tuple[dict[int, str] | None, int | None]:
     be read or etcd does not answer."""
     from contracts.config import load_config
     from contracts.errors import ConfigError
-    from daemon.etcd_client import Etcd, EtcdError
+    from daemon.machines.etcd_client import Etcd, EtcdError
 
     try:
         cfg = load_config(run_dir / "config.resolved.toml", [])
@@ -172,7 +172,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
 
 
 def _duration(seconds: float | None) -> str:
-    from daemon.console import duration
+    from cli.console import duration
 
     return duration(seconds)
 
@@ -269,7 +269,7 @@ def _matches(record: dict, *, level: str | None, events: list[str], rank: int | 
 
 def pretty(record: dict) -> str:
     """One line: floats rounded, long values (evidence) folded; `--json` gives the record whole."""
-    from daemon.console import human
+    from cli.console import human
 
     return human(record, full_time=True)
 

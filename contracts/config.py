@@ -194,7 +194,7 @@ class ParallelConfig:
                                      # (`llm-pretrain plan`) says cannot fit
     local_reduce: bool = True      # CPU data parallel with every rank on one machine: sum gradients through
                                    # /dev/shm (engine/training/local_reduce.py) instead of MindSpore's AllReduce, and
-                                   # under the daemon form no MindSpore cluster (daemon/mindspore_env.py); false:
+                                   # under the daemon form no MindSpore cluster (daemon/processes/mindspore_env.py); false:
                                    # MindSpore's cluster and AllReduce (no effect on Ascend or across nodes)
     bind_cores: bool = True        # CPU, several ranks on one machine as a local group (local_reduce): each
                                    # rank's threads bound to its own share of the cores this process may use
@@ -216,7 +216,7 @@ class CheckpointConfig:
     """When checkpoints are saved and which are kept."""
 
     interval_steps: int | str = 50  # save every N steps (0 = only on stop and at the end); "auto": as often as
-                                    # the failure rate says (Young/Daly, daemon/cadence.py)
+                                    # the failure rate says (Young/Daly, daemon/judging/cadence.py)
     keep_last: int = 3             # retain the newest N
     keep_every_steps: int = 0      # also retain every checkpoint whose step divides by this (0 = none)
     memory_interval_steps: int | str = 0  # also every N steps to RAM (memory_dir): a crash loses at most N steps
@@ -424,7 +424,7 @@ class RunConfig:
     pause_release_after_s: float = 600.0  # paused this long: stop the ranks to free the devices (resume restarts them)
     compile_cache: bool = True     # MindSpore's compile cache under <dir>/compile_cache: restarts recompile little
     standby: bool = True           # CPU: the next generation's ranks start (one node: and form their cluster)
-                                   # while this one trains, so a restart skips ~2-5 s (daemon/standby.py)
+                                   # while this one trains, so a restart skips ~2-5 s (daemon/processes/standby.py)
     metrics_port: int = 0          # > 0: Prometheus metrics on http://127.0.0.1:<port>/metrics (0: off)
     metrics_textfile: str = ""     # a node-exporter textfile to rewrite with the metrics ("" = off)
     log_max_bytes: int = 67108864  # events.jsonl rotates past this size (0: never) ...

@@ -99,7 +99,7 @@ class StepEvent(_Event):
     sync_s: float = 0.0       # in the compiled graph holding the step's collectives: the rank the others
                               # wait for spends the least time there
     # data parallel (up to 64 ranks): every rank's own loss and own gradient norm before the sum, by rank —
-    # which rank a non-finite or outlying gradient came from (daemon.triage)
+    # which rank a non-finite or outlying gradient came from (daemon.judging.triage)
     rank_losses: list[float] | None = None
     rank_grad_norms: list[float] | None = None
     kind: str = "step"
@@ -316,7 +316,7 @@ ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a mem
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on
 ENV_STANDBY_LATE = "LLM_PRETRAIN_STANDBY_LATE"   # "1": it forms its cluster once activated (several machines)
 ENV_LOG_PATH = "LLM_PRETRAIN_LOG_PATH"           # an activated late standby: the log its output goes to now
-# A local group (daemon/mindspore_env.py): CPU ranks with no MindSpore cluster, summing through shared memory on
+# A local group (daemon/processes/mindspore_env.py): CPU ranks with no MindSpore cluster, summing through shared memory on
 # one machine, through a TCP hub across several
 ENV_LOCAL_GROUP = "LLM_PRETRAIN_LOCAL_GROUP"     # path prefix of the group's shared-memory files; across machines its name
 ENV_LOCAL_RANK = "LLM_PRETRAIN_LOCAL_RANK"       # this rank, 0 .. world - 1
@@ -347,7 +347,7 @@ MAX_SOCKET_PATH_BYTES = 107
 
 COMMANDS = ("checkpoint", "stop", "inject", "pause", "resume", "release", "interval")
 # checkpoint.interval_steps = "auto": the interval the ranks start with, until the daemon's first `interval`
-# command (args: interval_steps and/or memory_interval_steps) moves it (daemon/cadence.py)
+# command (args: interval_steps and/or memory_interval_steps) moves it (daemon/judging/cadence.py)
 AUTO_FIRST_STEPS = 50
 # Fault drills an `inject` command may ask for (args: fault, rank, at_step, steps, seconds).
 FAULTS = ("nan", "spike", "bitflip", "faulty-rank", "corrupt-weight", "hang", "crash", "slow", "oom")

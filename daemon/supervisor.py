@@ -1,11 +1,11 @@
 """The supervisor: runs this node's ranks as generations, watches them, and brings them back.
 
 The main loop of `llm-pretrain run`, shaped like torch elastic's `_invoke_run`: start a generation
-(daemon.generation: the processes) → monitor it (daemon.watch: a pure state machine fed events, exits,
-control requests and the time) → branch on its typed outcome → recover (daemon.decisions: the policy's
-decision, on disk before it is carried out) → the next generation, with the config resolved at the
-daemon's start plus the policy's changes (`<run.dir>/config.resolved.toml`). Never imports MindSpore;
-the worker command is an argument (tests use a fake).
+(processes.generation) → monitor it (judging.watch: a pure state machine fed events, exits, control
+requests and the time) → branch on its typed outcome → recover (acting.decisions: the policy's decision,
+on disk before it is carried out) → the next generation, with the config resolved at the daemon's
+start plus the policy's changes (`<run.dir>/config.resolved.toml`). Never imports MindSpore; the
+worker command is an argument (tests use a fake).
 """
 from __future__ import annotations
 
@@ -18,17 +18,19 @@ from typing import Mapping, Sequence
 from contracts.config import Config, with_changes
 from contracts.errors import ConfigError
 from contracts.protocol import ExitCode
-from daemon import control, decisions, effects_of_watch, memcg, peers, standby, watch
-from daemon.eventlog import EventLog
-from daemon.generation import Generation, end_previous_daemons_leftovers, socket_path
-from daemon.health import HealthMonitor
-from daemon.incidents import Halt, Incident, Kind
-from daemon.ledger import Ledger
-from daemon.lock import LockHeldError, LockUnusableError, RunLock
-from daemon.metrics import Metrics, MetricsPortError
-from daemon.nodes import Nodes
-from daemon.notify import Notifier
-from daemon.run_files import RunFiles
+from daemon.acting import decisions, effects_of_watch, peers
+from daemon.judging import watch
+from daemon.judging.health import HealthMonitor
+from daemon.judging.incidents import Halt, Incident, Kind
+from daemon.machines.nodes import Nodes
+from daemon.processes import control, memcg, standby
+from daemon.processes.generation import Generation, end_previous_daemons_leftovers, socket_path
+from daemon.processes.lock import LockHeldError, LockUnusableError, RunLock
+from daemon.processes.run_files import RunFiles
+from daemon.records.eventlog import EventLog
+from daemon.records.ledger import Ledger
+from daemon.records.metrics import Metrics, MetricsPortError
+from daemon.records.notify import Notifier
 
 TICK_S = 0.1
 

@@ -18,7 +18,7 @@ import pytest
 
 
 def etcd_binary() -> str:
-    from daemon.embedded_etcd import INSTALL_ETCD, find_etcd
+    from daemon.machines.embedded_etcd import INSTALL_ETCD, find_etcd
 
     path = find_etcd()
     if path is None:
@@ -66,7 +66,7 @@ class EtcdServer:
         self.log = open(self.data_dir.parent / f"{self.data_dir.name}.log", "ab")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
-        from daemon.etcd_client import Etcd, EtcdError
+        from daemon.machines.etcd_client import Etcd, EtcdError
 
         client = Etcd.from_url(self.url, timeout_s=1.0)
         while True:

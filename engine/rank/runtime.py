@@ -6,7 +6,7 @@ Owns: the translation of the config and of msrun's environment variables
 (MS_ROLE, MS_WORKER_NUM, MS_NODE_ID, MS_SCHED_HOST, MS_SCHED_PORT, …) into
 MindSpore context calls, and the check that the cluster MindSpore formed is
 the one the config describes. A local group (the supervisor's data-parallel
-ranks on one CPU machine, daemon/mindspore_env.py) forms no MindSpore cluster: its
+ranks on one CPU machine, daemon/processes/mindspore_env.py) forms no MindSpore cluster: its
 ranks sum through shared memory and take rank and world from the environment.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from contracts.config import Config
 from contracts.errors import ConfigError
 from contracts.protocol import ENV_GROUP_HUB, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
 from engine.layout import parallel
+from engine.training.gradient_sum import GradientSum, choose, local_group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,25 +29,7 @@ class RankInfo:
     world_size: int
     local_world_size: int   # ranks sharing this machine's cores
     parallelism: parallel.Parallelism   # the generation's layout, decided here once and handed down
-
-
-@dataclasses.dataclass(frozen=True)
-class LocalGroup:
-    """Ranks the supervisor started without MindSpore's cluster (daemon/mindspore_env.py): each knows its
-    rank and the world from the environment, and they sum gradients through shared memory under
-    `prefix` (engine/training/local_reduce.py) or, on several machines, through the TCP hub at `hub`
-    (engine/training/hub_reduce.py; `prefix` is then the group's name)."""
-    rank: int
-    world: int
-    prefix: str
-    hub: str | None = None
-
-
-def local_group(env: Mapping[str, str] = os.environ) -> LocalGroup | None:
-    if not env.get(ENV_LOCAL_GROUP):
-        return None
-    return LocalGroup(rank=int(env[ENV_LOCAL_RANK]), world=int(env[ENV_LOCAL_WORLD]), prefix=env[ENV_LOCAL_GROUP],
-                      hub=env.get(ENV_GROUP_HUB) or None)
+    gradient_sum: GradientSum = GradientSum()   # how a data-parallel step sums its gradients, likewise
 
 
 def is_cluster_member(env: Mapping[str, str] = os.environ) -> bool:
@@ -165,13 +148,15 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     ms.set_seed(cfg.train.seed)
     decided = parallel.decide(cfg)
     if not member:
-        return RankInfo(rank=0, world_size=1, local_world_size=1, parallelism=decided)
+        return RankInfo(rank=0, world_size=1, local_world_size=1, parallelism=decided,
+                        gradient_sum=choose(cfg, world=1, local_world=1, env=env))
     if group is not None:       # no MindSpore cluster to form: the step sums through shared memory
         if group.world != cfg.parallel.world_size:
             raise ConfigError(f"parallel.dp x tp x pp = {cfg.parallel.world_size} but the local group has "
                               f"{group.world} ranks ({ENV_LOCAL_WORLD}); they must match")
         _bind(cfg, group.rank % local_world, local_world)
-        return RankInfo(rank=group.rank, world_size=group.world, local_world_size=local_world, parallelism=decided)
+        return RankInfo(rank=group.rank, world_size=group.world, local_world_size=local_world, parallelism=decided,
+                        gradient_sum=choose(cfg, world=group.world, local_world=local_world, env=env))
     from mindspore import communication
 
     communication.init()
@@ -182,4 +167,5 @@ def _setup(cfg: Config, env: Mapping[str, str]) -> RankInfo:
     if not decided.semi_auto:
         ms.set_auto_parallel_context(**decided.context)
     # semi-auto parallel is configured on the compiled step's AutoParallel wrapper (engine/training/sharded_step.py)
-    return RankInfo(rank=rank, world_size=world, local_world_size=local_world, parallelism=decided)
+    return RankInfo(rank=rank, world_size=world, local_world_size=local_world, parallelism=decided,
+                    gradient_sum=choose(cfg, world=world, local_world=local_world, env=env))

@@ -3,7 +3,7 @@ or, for CPU ranks summing over TCP across machines (ENV_GROUP_HUB), the group's 
 (engine/training/hub_reduce.py), which imports no MindSpore.
 
 Run as `python -m engine.rank.scheduler` with the dynamic-cluster environment; it
-returns when every worker has finished. A late standby's scheduler (daemon/standby.py: several
+returns when every worker has finished. A late standby's scheduler (daemon/processes/standby.py: several
 machines) imports MindSpore, then waits for the generation's environment on its pipe.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ forms its generation's cluster, then waits for the supervisor to make it a rank.
 machines: the next generation's scheduler is not known yet) imports and waits, and forms the cluster
 once activated, on the usual path.
 
-Owns: the worker's half of a standby (the supervisor's is daemon/standby.py). A
+Owns: the worker's half of a standby (the supervisor's is daemon/processes/standby.py). A
 restart then skips what dominates it on CPU: the interpreter and MindSpore's
 import and the dynamic cluster's formation (a fixed sleep inside MindSpore's CPU
 collectives among it; the figures are bench/recovery.py's, in the README).
@@ -24,6 +24,7 @@ from contracts.protocol import (
 )
 from engine.rank import runtime, startup
 from engine.rank.events import EventSink
+from engine.training.gradient_sum import local_group
 
 
 def hold(cfg: Config, fd: int) -> None:
@@ -36,7 +37,7 @@ def hold(cfg: Config, fd: int) -> None:
 
         from engine.rank import trainer  # noqa: F401
 
-        group = runtime.local_group()         # a local group across machines names its rank itself
+        group = local_group()         # a local group across machines names its rank itself
         rank = group.rank if group is not None else int(os.environ.get("MS_NODE_ID", "0"))
     else:
         rank = runtime.setup(cfg).rank

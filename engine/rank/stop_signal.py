@@ -7,7 +7,7 @@ A second SIGINT — Ctrl-C pressed twice at a terminal — exits at once, as
 people expect. A repeated SIGTERM does not, because none of its usual senders
 is a person asking twice, and exiting on it throws away the save the first one
 asked for:
-- the kernel's parent-death signal (daemon/generation.py) is sent each time
+- the kernel's parent-death signal (daemon/processes/generation.py) is sent each time
   the rank is reparented: a daemon killed with SIGKILL dies thread by thread,
   and a child of one thread is handed to the next live one, with the signal
   again (prctl(2); measured: 2 to 17 SIGTERMs to a child of a 16-thread

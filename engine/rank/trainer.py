@@ -60,7 +60,7 @@ class Trainer:
         self.overrides = list(overrides)
         self.parallelism = rank_info.parallelism
         self.net, self.step_fn = build_network(cfg, self.parallelism, rank=rank_info.rank,
-                                               world=rank_info.world_size, local_world=rank_info.local_world_size)
+                                               world=rank_info.world_size, gradient_sum=rank_info.gradient_sum)
         self.source = source if source is not None else order.open_source(cfg)
         self.skips: list[tuple[int, int]] = []   # global sample ranges never trained on (set_skips)
         self.step = 0                      # optimizer steps completed
@@ -387,7 +387,7 @@ class RankRun:
 
     def _fingerprint(self, step: int) -> None:
         """Every health.fingerprint_interval_steps, this replica's digest to the supervisor, which compares
-        the replicas' (daemon.replicas)."""
+        the replicas' (daemon.judging.replicas)."""
         interval = self.cfg.health.fingerprint_interval_steps
         if not interval or step % interval or self.simulated or not self.trainer.replicas_compare():
             return

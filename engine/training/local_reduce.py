@@ -10,7 +10,7 @@ runs in rank order, which for two ranks is the same float sum as a ring's.
 
 The segment and the barrier's FIFOs belong to one group of ranks, named by a
 path prefix:
-- under the supervisor (a local group, daemon/mindspore_env.py: no MindSpore cluster
+- under the supervisor (a local group, daemon/processes/mindspore_env.py: no MindSpore cluster
   at all) the prefix is new for every generation, so every rank creates what is
   missing and opens it, with no barrier; rank 0 unlinks the files after the
   first sum (every rank holds them by then), and the supervisor removes what a
@@ -29,8 +29,6 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-
-SHM_DIR = Path("/dev/shm")
 
 
 class LocalAllReduce:

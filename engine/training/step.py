@@ -33,8 +33,8 @@ from contracts.config import Config
 from engine.layout import parallel
 from engine.layout.parallel import Reduction
 from engine.model.causal_lm import CausalLM
-from engine.rank import runtime
-from engine.training.local_reduce import SHM_DIR, LocalAllReduce
+from engine.training.gradient_sum import HUB, SHARED_MEMORY, GradientSum
+from engine.training.local_reduce import LocalAllReduce
 from engine.training.step_state import StepResult, StepState
 
 PER_RANK_MAX = 64          # ranks whose own loss and gradient norm every step reports (beyond: none)
@@ -57,10 +57,10 @@ class TrainStep(StepState):
         self.all_reduce = ops.AllReduce() if reduction.hand_all_reduce and local_reduce is None else None
         # Each rank's own loss and gradient sum of squares ride the same sum in slots of their own (a rank
         # writes its slot, the others 0): every rank learns every rank's, and the daemon can tell which rank
-        # a fault came from (daemon.triage). Up to PER_RANK_MAX ranks.
+        # a fault came from (daemon.judging.triage). Up to PER_RANK_MAX ranks.
         self.world = world if reduction.hand_all_reduce and 1 < world <= PER_RANK_MAX else 0
         # PER_RANK_MAX slots whatever the world, so that the graphs do not depend on it: a run that shrinks
-        # or grows by whole machines with the same micro-batch reuses its compiled step (daemon.run_files)
+        # or grows by whole machines with the same micro-batch reuses its compiled step (daemon.processes.run_files)
         self.slots = PER_RANK_MAX if self.world else 0
         # a Parameter, not a constant: a constant is baked into the compiled graph, and the compile cache,
         # shared by the ranks, would hand every rank the first one's mask after a restart
@@ -280,26 +280,23 @@ def build_network(cfg: Config, parallelism: parallel.Parallelism, **step_args):
 
 
 def build_step(net: CausalLM, cfg: Config, parallelism: parallel.Parallelism, *, rank: int = 0, world: int = 1,
-               local_world: int = 1, env: Mapping[str, str] = os.environ):
+               gradient_sum: GradientSum = GradientSum()):
     """The step for the generation's decided parallel mode: the hand-reduced TrainStep under DATA_PARALLEL, the
-    framework-reduced ShardedTrainStep under semi-auto parallel. With `parallel.local_reduce`,
-    data-parallel CPU ranks that all share this machine sum their gradients through shared memory."""
+    framework-reduced ShardedTrainStep under semi-auto parallel. Data-parallel ranks sum their gradients as
+    `gradient_sum` says (decided with the rank's setup: engine.training.gradient_sum.choose)."""
     if parallelism.semi_auto:
         from engine.training.sharded_step import ShardedTrainStep
 
         return ShardedTrainStep(net, cfg, parallelism, rank=rank, run_dir=cfg.run.resolved_dir())
     local = None
-    group = runtime.local_group(env)
-    if group is not None and group.hub:    # the supervisor's group across machines: a TCP hub
+    if gradient_sum.via == HUB:            # the supervisor's group across machines: a TCP hub
         from engine.training.hub_reduce import HubAllReduce
 
-        local = functools.partial(HubAllReduce, rank=rank, world=world, hub=group.hub, token=group.prefix)
-    elif group is not None:                # the supervisor's local group: no MindSpore cluster
-        local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=Path(group.prefix))
-    elif (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.run.nodes == 1 and world > 1
-            and local_world == world and env.get("MS_SCHED_PORT")):     # under msrun: MindSpore's cluster
-        prefix = SHM_DIR / f"llm-pretrain-reduce-{os.getuid()}-{env.get('MS_SCHED_HOST', '')}-{env['MS_SCHED_PORT']}"
-        local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=prefix, barrier=_cluster_barrier)
+        local = functools.partial(HubAllReduce, rank=rank, world=world, hub=gradient_sum.hub,
+                                  token=gradient_sum.prefix)
+    elif gradient_sum.via == SHARED_MEMORY:
+        local = functools.partial(LocalAllReduce, rank=rank, world=world, prefix=Path(gradient_sum.prefix),
+                                  barrier=_cluster_barrier if gradient_sum.between_cluster_barriers else None)
     return TrainStep(net, cfg, reduction=parallelism.reduction, local_reduce=local, rank=rank, world=world)
 
 

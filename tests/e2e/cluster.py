@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.mindspore_env import SCHEDULER, WORKER, free_port, process_env
+from daemon.processes.mindspore_env import SCHEDULER, WORKER, free_port, process_env
 
 
 def events(text: str) -> list[dict]:
@@ -17,7 +17,7 @@ def events(text: str) -> list[dict]:
 def daemon_events(run: Path) -> list[dict]:
     """The daemon's events.jsonl of a run (complete lines; none yet: []), each checked for the
     common fields every event carries."""
-    from daemon.eventlog import COMMON
+    from daemon.records.eventlog import COMMON
 
     path = run / "logs" / "events.jsonl"
     out = [json.loads(l) for l in path.read_text().splitlines() if l.endswith("}")] if path.exists() else []

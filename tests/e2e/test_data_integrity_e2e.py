@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.state import RunState
+from daemon.records.state import RunState
 from engine.data.prepare import prepare
 from tests.e2e.cluster import daemon_events, wait_for
 

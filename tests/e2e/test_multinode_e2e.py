@@ -159,7 +159,7 @@ def test_three_hosts_on_an_embedded_etcd_lose_host_0_elect_another_go_on_with_tw
 
 def test_two_hosts_train_as_one_and_ride_out_etcd_down_a_nan_a_killed_rank_and_daemon_a_cut_link_and_a_stop(
         cli, quiet_env, tmp_path, stdlib_corpus, hosts, etcd):
-    from daemon import control
+    from daemon.processes import control
 
     reference = tmp_path / "reference"            # one host, two ranks: what the two hosts must train
     done = subprocess.run([*cli, "run", "--log-format", "json", *_sets(stdlib_corpus, reference)], cwd=tmp_path,
@@ -391,7 +391,7 @@ def test_a_faulty_device_on_the_deciding_host_is_found_its_host_quarantined_and_
     the rerun repeats it, the rotated rerun finds it stays with rank 0: a device fault. Host 0 is quarantined:
     it stops deciding, host 1 is elected and trains on alone at the same global batch; host 0 waits out its
     probation and ends with the run."""
-    from daemon import control
+    from daemon.processes import control
 
     run = tmp_path / "run"
     more = ["train.steps=60", "run.min_nodes=1", "health.allow_fault_injection=true", "run.node_rejoin_timeout_s=5"]

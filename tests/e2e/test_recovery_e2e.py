@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from daemon import memcg
-from daemon.state import RunState
+from daemon.processes import memcg
+from daemon.records.state import RunState
 from tests.e2e.cluster import daemon_events
 
 

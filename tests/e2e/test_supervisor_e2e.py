@@ -9,7 +9,7 @@ from pathlib import Path
 
 from checkpointing import layout
 from contracts.protocol import Command
-from daemon.state import RunState
+from daemon.records.state import RunState
 from tests.e2e.cluster import daemon_events as _events
 from tests.e2e.cluster import mount_tmpfs
 from tests.e2e.cluster import wait_for as _wait_for

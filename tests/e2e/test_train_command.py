@@ -58,7 +58,7 @@ def test_msrun_launches_train_as_mindspore_users_do(quiet_env, tmp_path, stdlib_
 
     import pytest
 
-    from daemon.mindspore_env import free_port
+    from daemon.processes.mindspore_env import free_port
 
     bin_dir = Path(sys.executable).parent
     if not (bin_dir / "msrun").exists() or not (bin_dir / "llm-pretrain").exists():

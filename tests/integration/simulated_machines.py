@@ -174,14 +174,14 @@ class KeyDeletion:
     `at` is when it was seen (unix time), None until then."""
 
     def __init__(self, etcd_url: str, key: str):
-        from daemon.etcd_client import Etcd
+        from daemon.machines.etcd_client import Etcd
 
         self.client, self.key, self.at = Etcd.from_url(etcd_url, timeout_s=10.0), key.encode(), None
         _, self.revision = self.client.get_prefix(self.key)
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
-        from daemon.etcd_client import EtcdError
+        from daemon.machines.etcd_client import EtcdError
 
         while self.at is None:
             try:

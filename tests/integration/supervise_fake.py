@@ -24,8 +24,8 @@ def _die(*_, **__):
 
 def _arm(point: str) -> None:
     from checkpointing import layout
-    from daemon import decisions
-    from daemon.ledger import Ledger
+    from daemon.acting import decisions
+    from daemon.records.ledger import Ledger
     from daemon.supervisor import Supervisor
 
     if point == "recorded":
@@ -46,7 +46,7 @@ def _arm(point: str) -> None:
     elif point == "detected":                      # the incident known, nothing of it recorded yet
         decisions.decide_and_record = _die
     elif point == "opened":                        # the next generation's ranks spawned, no step yet
-        from daemon import watch
+        from daemon.judging import watch
 
         init = watch.Watch.__init__
         watch.Watch.__init__ = lambda self, cfg, **kw: _die() if kw["generation"] > 1 else init(self, cfg, **kw)

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from daemon import mindspore_env
-from daemon.mindspore_env import free_port
+from daemon.processes import mindspore_env
+from daemon.processes.mindspore_env import free_port
 from engine.training.hub_reduce import GroupRefused, HubAllReduce
 
 pytestmark = pytest.mark.integration

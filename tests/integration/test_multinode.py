@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon.etcd_client import Etcd
+from daemon.machines.etcd_client import Etcd
 from tests.etcd_server import EtcdServer
 from tests.integration.test_recovery_policy import QUICK_HEALTH
 
@@ -90,7 +90,7 @@ def test_a_crash_on_node_1_ends_the_generation_on_both_and_one_decision_restarts
 def test_a_node_that_waits_says_what_for_in_status_until_its_ranks_run(tmp_path, etcd):
     """Node 1 started alone: its state (and `status`'s row for it) names what it waits for — the nodes
     missing once it decides — not an earlier wait's words; running again, it waits for nothing."""
-    from daemon.state import RunState
+    from daemon.records.state import RunState
 
     run = tmp_path / "run"
     node1 = _node(1, run, etcd.url, fake=["--steps", "30"])
@@ -107,7 +107,7 @@ def test_a_node_that_waits_says_what_for_in_status_until_its_ranks_run(tmp_path,
 
 
 def _waiting(node_dir) -> str:
-    from daemon.state import RunState, StateCorruptError
+    from daemon.records.state import RunState, StateCorruptError
 
     try:
         return RunState.load(node_dir).waiting
@@ -159,7 +159,7 @@ def test_a_stop_dropped_on_node_1_stops_both_nodes(tmp_path, etcd, cli):
 def test_a_pause_holds_every_node_and_the_follower_says_so_as_the_decider_does(tmp_path, etcd):
     """The decider writes the ranks' pause for all; node 1's daemon never sees the request, but says
     `paused` (by the decider) when its ranks hold and `resumed` when they step again; status follows."""
-    from daemon.state import RunState
+    from daemon.records.state import RunState
 
     run = tmp_path / "run"
     procs = [_node(i, run, etcd.url, fake=["--steps", "100000", "--interval", "5"]) for i in (0, 1)]

@@ -6,8 +6,8 @@ import subprocess
 import zlib
 
 from cli import plot
-from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
-from daemon.state import RunState
+from daemon.judging.incidents import Incident, IncidentRecord, Kind, Rollback
+from daemon.records.state import RunState
 from tests.integration.test_recovery_policy import QUICK_HEALTH
 from tests.integration.test_supervisor import _finish, _start
 

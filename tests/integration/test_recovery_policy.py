@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon import memcg
-from daemon.incidents import Halt, Rollback
-from daemon.state import RunState
+from daemon.judging.incidents import Halt, Rollback
+from daemon.processes import memcg
+from daemon.records.state import RunState
 from tests.integration.test_supervisor import _finish, _named, _start
 
 

@@ -49,7 +49,7 @@ def test_ready_status_watchdog_and_stopping_arrive(tmp_path):
 
 
 def test_an_abstract_socket_address_is_understood(tmp_path):
-    from daemon.notify import Notifier
+    from daemon.records.notify import Notifier
 
     name = f"llm-pretrain-test-{os.getpid()}"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
@@ -61,7 +61,7 @@ def test_an_abstract_socket_address_is_understood(tmp_path):
 
 
 def test_the_watchdog_is_pinged_once_per_half_period_at_the_times_given(tmp_path):
-    from daemon.notify import Notifier
+    from daemon.records.notify import Notifier
 
     path = tmp_path / "notify.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -1,5 +1,5 @@
 """The warm standby against the stdlib fake worker: the next generation's processes start while one
-trains, wait, and become the ranks of the generation after an incident (daemon/standby.py)."""
+trains, wait, and become the ranks of the generation after an incident (daemon/processes/standby.py)."""
 import os
 import signal
 import subprocess
@@ -78,7 +78,7 @@ def test_a_local_group_starts_no_scheduler_and_leaves_no_shared_memory_behind(tm
     """parallel.local_reduce on one CPU machine: the ranks are a local group (no MindSpore cluster), each
     generation with files of its own in /dev/shm, which the daemon removes when the generation ends
     (a rank that died before its first sum leaves them: the fake ranks never unlink them)."""
-    from daemon.mindspore_env import SHM_DIR
+    from daemon.processes.mindspore_env import SHM_DIR
 
     run = tmp_path / "run"
     proc = _start(run, overrides=[*QUICK_HEALTH, "parallel.local_reduce=true"], ranks=2, fake=[
@@ -99,7 +99,7 @@ def test_a_local_group_starts_no_scheduler_and_leaves_no_shared_memory_behind(tm
 
 
 def test_a_dead_daemons_shared_memory_files_are_removed_by_the_next_one(tmp_path):
-    from daemon.mindspore_env import SHM_DIR
+    from daemon.processes.mindspore_env import SHM_DIR
 
     dead = subprocess.Popen(["true"])
     dead.wait()                                 # a pid no process has now

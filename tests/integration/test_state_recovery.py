@@ -4,7 +4,7 @@ goes on with the recovery directive it had (the same samples skipped, the same l
 import json
 import subprocess
 
-from daemon.state import STATE_FILE, RunState
+from daemon.records.state import STATE_FILE, RunState
 from tests.integration.test_recovery_policy import QUICK_HEALTH, _steps
 from tests.integration.test_supervisor import _finish, _named, _start
 

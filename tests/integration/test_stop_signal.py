@@ -46,14 +46,14 @@ RANK = textwrap.dedent("""
         f.write(str(stop.signals))
 """)
 
-# The daemon in miniature: many threads, the rank spawned the daemon's way (daemon.generation.spawn) by
+# The daemon in miniature: many threads, the rank spawned the daemon's way (daemon.processes.generation.spawn) by
 # a thread that then ends, once the rank is up. The kernel sends the parent-death signal when the rank's
 # parent *thread* dies, and again at each reparenting after: so at least twice once the daemon is
 # killed too, whatever order its threads die in.
 DAEMON = textwrap.dedent("""
     import os, signal, sys, threading, time
     from pathlib import Path
-    from daemon.generation import spawn
+    from daemon.processes.generation import spawn
     for _ in range(16):
         threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
     def start():

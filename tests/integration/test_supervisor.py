@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from daemon.state import RunState
+from daemon.records.state import RunState
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = ["health.restart_backoff_initial_s=0.1", "health.restart_backoff_max_s=0.5", "run.kill_grace_s=2"]
@@ -292,7 +292,7 @@ def test_an_orphan_that_exited_unreaped_is_not_waited_for():
     """A killed daemon's rank that saved and exited stays a zombie until PID 1 reaps it, which in a
     container may be never: it has exited, so the next daemon neither waits out its grace for it
     nor counts it as killed."""
-    from daemon.generation import is_running, kill_orphans, start_ticks
+    from daemon.processes.generation import is_running, kill_orphans, start_ticks
 
     child = subprocess.Popen(["true"])
     stat = Path(f"/proc/{child.pid}/stat")

@@ -4,8 +4,8 @@ through with nothing rolled back, skipped or cut, one it repeats (bad data) is r
 import json
 from pathlib import Path
 
-from daemon.incidents import Rollback
-from daemon.state import RunState
+from daemon.judging.incidents import Rollback
+from daemon.records.state import RunState
 from tests.integration.test_supervisor import _finish, _named, _start
 
 # a spike is judged after 10 steps against the 10 before it; reruns on (the default)

@@ -2,8 +2,8 @@
 import pytest
 
 from contracts.config import load_config
-from daemon.decisions import Backoff, Decision
-from daemon.incidents import Incident, IncidentRecord, Kind, Restart, Rollback
+from daemon.acting.decisions import Backoff, Decision
+from daemon.judging.incidents import Incident, IncidentRecord, Kind, Restart, Rollback
 
 CFG = load_config(None, [])
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from contracts.config import load_config
-from daemon.cadence import Cadence, interval_args
+from daemon.judging.cadence import Cadence, interval_args
 from tests.unit.steps import step_event
 
 

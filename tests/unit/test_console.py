@@ -3,8 +3,8 @@ long evidence folded; on a terminal the daemon's stream renders them, events.jso
 import io
 import json
 
-from daemon.console import FOLD, ConsoleStream, human
-from daemon.eventlog import EventLog
+from cli.console import FOLD, ConsoleStream, human
+from daemon.records.eventlog import EventLog
 
 
 def test_progress_reads_as_a_progress_line():

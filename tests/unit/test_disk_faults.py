@@ -5,11 +5,11 @@ import json
 import shutil
 
 from checkpointing import layout
-from daemon.eventlog import EventLog
-from daemon.incidents import Kind
-from daemon.ledger import Ledger
-from daemon.metrics import Metrics
-from daemon.notify import Notifier
+from daemon.judging.incidents import Kind
+from daemon.records.eventlog import EventLog
+from daemon.records.ledger import Ledger
+from daemon.records.metrics import Metrics
+from daemon.records.notify import Notifier
 from durable import write_atomically
 
 
@@ -94,8 +94,8 @@ def test_a_metrics_textfile_the_disk_refuses_never_raises_and_is_written_again_l
 
 def test_room_for_fewer_than_two_more_checkpoints_is_one_warning_until_space_comes_back(tmp_path):
     from contracts.config import load_config
-    from daemon.effects_of_watch import _disk_space
-    from daemon.run_files import RunFiles
+    from daemon.acting.effects_of_watch import _disk_space
+    from daemon.processes.run_files import RunFiles
 
     files = RunFiles(load_config(None, [f'run.dir="{tmp_path / "run"}"']), {})
     step_dir = layout.step_dir(files.ckpt_root, 10)

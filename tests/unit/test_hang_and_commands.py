@@ -5,10 +5,10 @@ import pytest
 
 from contracts.config import HealthConfig, load_config
 from contracts.protocol import Command, LrOverride, RecoveryDirective
-from daemon.generation import socket_path
-from daemon.hang import RankProgress, StepTimes, is_hung, timeout_s
-from daemon.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
-from daemon.state import RunState
+from daemon.judging.hang import RankProgress, StepTimes, is_hung, timeout_s
+from daemon.judging.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
+from daemon.processes.generation import socket_path
+from daemon.records.state import RunState
 from engine.rank.commands import WINDOW, CommandReader
 
 CFG = HealthConfig(hang_floor_s=30, hang_step_multiplier=10, hang_start_timeout_s=600,

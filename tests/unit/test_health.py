@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from contracts.config import HealthConfig
-from daemon.health import HealthMonitor
+from daemon.judging.health import HealthMonitor
 from tests.unit.steps import step_event
 
 CURVES = Path(__file__).resolve().parents[1] / "data" / "loss-curves"     # provenance: README.md there
@@ -196,6 +196,6 @@ def test_the_recorded_curves_have_no_burst(name):
 
 @pytest.mark.parametrize("name", ["normal_lr3e-3.csv", "highlr_6e-2.csv"])
 def test_the_recorded_curves_are_never_rerun(name):
-    """A rerun (health.rerun, daemon.triage) is the policy's first answer to an incident that needs action:
+    """A rerun (health.rerun, daemon.judging.triage) is the policy's first answer to an incident that needs action:
     a healthy or merely unstable run raises none, so it never pays for one."""
     assert [i for i in _run(_curve(name)) if i.needs_action] == []

@@ -1,13 +1,15 @@
-"""When a generation is a local group (no MindSpore cluster; daemon/mindspore_env.py), and what its ranks are told."""
+"""When a generation is a local group (no MindSpore cluster; daemon/processes/mindspore_env.py), and what its ranks are told."""
 import os
 
 import pytest
 
 from contracts.config import load_config
 from contracts.protocol import ENV_GENERATION, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
-from daemon import mindspore_env
-from daemon.generation import worker_env
+from daemon.processes import mindspore_env
+from daemon.processes.generation import worker_env
 from engine.rank import runtime
+from engine.training import gradient_sum
+from engine.training.gradient_sum import LocalGroup, local_group
 
 pytestmark = pytest.mark.unit
 
@@ -38,8 +40,9 @@ def test_across_machines_a_rank_gets_the_hub_of_its_generation_and_no_cluster_va
     env = worker_env(base, cfg, rank=3, port=4711, generation=5)
     assert not {"MS_ROLE", "MS_SCHED_PORT", "MS_WORKER_NUM"} & set(env)
     assert (env[ENV_LOCAL_RANK], env[ENV_LOCAL_WORLD], env[ENV_GROUP_HUB]) == ("3", "4", "10.0.0.7:4711")
-    assert runtime.local_group(env) == runtime.LocalGroup(rank=3, world=4, prefix=env[ENV_LOCAL_GROUP],
-                                                          hub="10.0.0.7:4711")
+    assert local_group(env) == LocalGroup(rank=3, world=4, prefix=env[ENV_LOCAL_GROUP], hub="10.0.0.7:4711")
+    assert gradient_sum.choose(cfg, world=4, local_world=2, env=env) == gradient_sum.GradientSum(
+        via=gradient_sum.HUB, prefix=env[ENV_LOCAL_GROUP], hub="10.0.0.7:4711")
     hub = mindspore_env.hub_env({**base, "PATH": "/bin"}, host="10.0.0.7", port=4711, world=4, generation=5)
     assert hub[ENV_GROUP_HUB] == "10.0.0.7:4711" and hub[ENV_LOCAL_WORLD] == "4" and "MS_ROLE" not in hub
     # hub and ranks name the same group, one another generation's rank does not (the hub refuses it)
@@ -55,16 +58,34 @@ def test_a_local_groups_rank_gets_its_rank_world_and_the_generations_files_and_n
     assert env["PATH"] == "/bin" and env["GLOG_v"] == "2" and env[ENV_GENERATION] == "3"
     assert (env[ENV_LOCAL_RANK], env[ENV_LOCAL_WORLD]) == ("1", "2")
     assert env[ENV_LOCAL_GROUP] == str(mindspore_env.local_group_prefix(port=4711, generation=3))
-    assert runtime.local_group(env) == runtime.LocalGroup(rank=1, world=2, prefix=env[ENV_LOCAL_GROUP])
+    assert local_group(env) == LocalGroup(rank=1, world=2, prefix=env[ENV_LOCAL_GROUP])
+    assert gradient_sum.choose(cfg, world=2, local_world=2, env=env) == gradient_sum.GradientSum(
+        via=gradient_sum.SHARED_MEMORY, prefix=env[ENV_LOCAL_GROUP])
     assert runtime.is_cluster_member(env)
     # the next generation, or a standby on another port, never meets this one's files
     assert len({mindspore_env.local_group_prefix(port=p, generation=g) for p, g in [(4711, 3), (4711, 4), (4712, 3)]}) == 3
     assert f"-{os.getpid()}-" in env[ENV_LOCAL_GROUP]       # the daemon's: its successor removes what a dead one left
 
 
+@pytest.mark.parametrize("sets, env, via", [
+    (["parallel.dp=2", "train.micro_batch=4"], {"MS_ROLE": "MS_WORKER", "MS_SCHED_PORT": "8118"}, "shared_memory"),
+    (["parallel.dp=2", "train.micro_batch=4", "parallel.local_reduce=false"],
+     {"MS_ROLE": "MS_WORKER", "MS_SCHED_PORT": "8118"}, "collective"),
+    (["parallel.dp=2", "train.micro_batch=4"], {}, "collective"),                   # no cluster to name the files
+    ([], {}, "collective"),                                                           # one rank
+])
+def test_under_msrun_ranks_sharing_a_machine_sum_through_shared_memory_between_cluster_barriers(sets, env, via):
+    cfg = load_config(None, sets)
+    chosen = gradient_sum.choose(cfg, world=cfg.parallel.world_size, local_world=cfg.parallel.world_size, env=env)
+    assert chosen.via == via
+    assert chosen.between_cluster_barriers is (via == "shared_memory")
+    if via == "shared_memory":
+        assert chosen.prefix.endswith("-8118")
+
+
 def test_without_the_group_variables_a_rank_is_alone_or_msruns():
-    assert runtime.local_group({}) is None
-    assert runtime.local_group({"MS_ROLE": "MS_WORKER"}) is None and runtime.is_cluster_member({"MS_ROLE": "MS_WORKER"})
+    assert local_group({}) is None
+    assert local_group({"MS_ROLE": "MS_WORKER"}) is None and runtime.is_cluster_member({"MS_ROLE": "MS_WORKER"})
 
 
 @pytest.mark.parametrize("rank, world, cores, share", [
@@ -98,7 +119,7 @@ def test_a_local_group_shrunk_or_regrown_with_the_same_micro_batch_keeps_its_com
     """Its graphs hold no collective and no world size: the data-parallel size and accumulation shape
     them only through their product (and whether each is above 1). MindSpore's cluster, another
     micro-batch or a step without accumulation get caches of their own."""
-    from daemon.run_files import RunFiles
+    from daemon.processes.run_files import RunFiles
 
     several = ["run.master_port=29500", 'run.coordinator="etcd://127.0.0.1:2379"', f'run.dir="{tmp_path}"']
     shape = lambda dp, micro, accum, *more: load_config(None, [

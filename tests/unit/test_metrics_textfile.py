@@ -2,7 +2,7 @@
 events) is not left saying `running` at an old step."""
 import time
 
-from daemon.metrics import Metrics
+from daemon.records.metrics import Metrics
 
 
 def _eventually(predicate, timeout_s: float = 30.0) -> bool:

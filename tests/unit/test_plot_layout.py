@@ -4,7 +4,7 @@ import pytest
 
 from cli.plot import Marker, incident_label, listing, place_markers, steps_for_samples, superseded_steps
 from contracts.protocol import LrOverride
-from daemon.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
+from daemon.judging.incidents import Halt, Incident, IncidentRecord, Kind, Restart, Rollback
 
 pytestmark = pytest.mark.unit
 

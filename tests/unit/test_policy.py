@@ -2,9 +2,9 @@
 import pytest
 
 from contracts.config import load_config, with_changes
-from daemon import policy
-from daemon.incidents import Halt, Incident, Kind, Rerun, Restart, Rollback
-from daemon.policy import RunHistory, is_healthy, newest_healthy
+from daemon.judging import policy
+from daemon.judging.incidents import Halt, Incident, Kind, Rerun, Restart, Rollback
+from daemon.judging.policy import RunHistory, is_healthy, newest_healthy
 
 CFG = load_config(None)           # margin 10, cut 0.5, hold 200, ramp 200, floor 1/16, window 1000
 FP16 = load_config(None, ['train.precision="fp16"'])

@@ -1,6 +1,6 @@
 """Device faults: a rank that stands out, the rotated rerun that tells the data from the device, the
-quarantine it decides and the lemon list that keeps it (daemon.health, daemon.triage, daemon.policy,
-daemon.quarantine, daemon.state)."""
+quarantine it decides and the lemon list that keeps it (daemon.judging.health, daemon.judging.triage, daemon.judging.policy,
+daemon.judging.quarantine, daemon.records.state)."""
 import dataclasses
 
 import pytest
@@ -8,13 +8,13 @@ import pytest
 from contracts.config import load_config
 from contracts.errors import ConfigError
 from contracts.protocol import StepEvent
-from daemon import policy, quarantine, watch
-from daemon.health import HealthMonitor
-from daemon.incidents import Incident, IncidentRecord, Kind, Rerun, Restart, Rollback
-from daemon.policy import RunHistory
-from daemon.state import RunState
-from daemon.triage import RerunCheck
-from daemon.watch import Watch
+from daemon.judging import policy, quarantine, watch
+from daemon.judging.health import HealthMonitor
+from daemon.judging.incidents import Incident, IncidentRecord, Kind, Rerun, Restart, Rollback
+from daemon.judging.policy import RunHistory
+from daemon.judging.triage import RerunCheck
+from daemon.judging.watch import Watch
+from daemon.records.state import RunState
 
 CFG = load_config(None)
 CKPTS = (50, 100, 150, 200, 250)
@@ -169,11 +169,11 @@ def test_transient_faults_on_one_device_quarantine_it_at_the_threshold_and_a_reb
     import io
     import json
 
-    from daemon.eventlog import EventLog
-    from daemon.ledger import Ledger
-    from daemon.metrics import Metrics
-    from daemon.notify import Notifier
-    from daemon.state_rebuild import read_events, state_from_events
+    from daemon.records.eventlog import EventLog
+    from daemon.records.ledger import Ledger
+    from daemon.records.metrics import Metrics
+    from daemon.records.notify import Notifier
+    from daemon.records.state_rebuild import read_events, state_from_events
 
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
@@ -195,7 +195,7 @@ def test_transient_faults_on_one_device_quarantine_it_at_the_threshold_and_a_reb
 
 
 def test_one_machine_regroups_when_a_quarantined_devices_probation_ends():
-    from daemon.peers import Alone
+    from daemon.acting.peers import Alone
 
     alone = Alone({})
     alone.left_out = {1}

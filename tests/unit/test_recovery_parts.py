@@ -9,10 +9,11 @@ from checkpointing import layout
 from contracts.config import config_from_dict, load_config, to_toml, with_changes
 from contracts.errors import ConfigError
 from contracts.protocol import LrOverride, RecoveryDirective
-from daemon import control, memcg, policy
-from daemon.health import HealthMonitor
-from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
-from daemon.policy import RunHistory, merge_recovery
+from daemon.judging import policy
+from daemon.judging.health import HealthMonitor
+from daemon.judging.incidents import Incident, IncidentRecord, Kind, Rollback
+from daemon.judging.policy import RunHistory, merge_recovery
+from daemon.processes import control, memcg
 from engine.rank.drills import Drills
 from tests.unit.steps import step_event
 
@@ -187,7 +188,7 @@ def test_a_recurrence_after_a_rollback_counts_even_if_it_starts_earlier():
 def test_incident_events_are_strict_json_even_with_non_finite_evidence(tmp_path):
     import io
 
-    from daemon.eventlog import EventLog
+    from daemon.records.eventlog import EventLog
 
     out = io.StringIO()
     log = EventLog(tmp_path / "events.jsonl", "r", stream=out)
@@ -198,7 +199,7 @@ def test_incident_events_are_strict_json_even_with_non_finite_evidence(tmp_path)
 
 
 def test_a_device_oom_is_read_from_this_process_s_part_of_the_log_only(tmp_path):
-    from daemon.rank_log import oom_line
+    from daemon.processes.rank_log import oom_line
 
     log = tmp_path / "rank-0.log"
     log.write_text("generation 1\n[ERROR] Device(id:0) memory isn't enough and alloc failed, alloc size: 4096\n")
@@ -210,7 +211,7 @@ def test_a_device_oom_is_read_from_this_process_s_part_of_the_log_only(tmp_path)
 
 
 def test_a_ranks_refusal_is_its_last_own_line_in_this_process_s_part_of_the_log(tmp_path):
-    from daemon.rank_log import refusal_line
+    from daemon.processes.rank_log import refusal_line
 
     log = tmp_path / "rank-0.log"
     log.write_text("generation 1\nllm-pretrain: config error: an older generation's reason\n")
@@ -244,7 +245,7 @@ def test_the_control_directory_watcher_flags_a_new_request(tmp_path):
 
 def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
     from cli import status as status_cli
-    from daemon.state import RunState
+    from daemon.records.state import RunState
 
     state = RunState(status="running", generation=2, restarts=1, daemon_pid=os.getpid(), total_steps=1000,
                      last_progress={"step": 400, "loss": 2.5, "tokens": 512, "tokens_per_s": 1024.0,
@@ -281,7 +282,7 @@ def test_status_tells_state_progress_eta_incident_and_last_request(tmp_path):
     (100, [(76, 85)], {60, 90, 100}),    # 70 and 80 lie within a rolled-back incident's margin: not healthy
 ])
 def test_the_daemon_protects_what_a_later_rollback_may_need(current, incidents, expected):
-    from daemon.run_files import protected_steps
+    from daemon.processes.run_files import protected_steps
 
     records = [IncidentRecord(incident=Incident(kind=Kind.LOSS_SPIKE, first_step=a, last_step=b), generation=1,
                               unix_s=0.0, action=Rollback("r", checkpoint_step=0, skip=None, lr_overrides=()))
@@ -293,8 +294,9 @@ def test_the_daemon_protects_what_a_later_rollback_may_need(current, incidents, 
 def test_both_kinds_of_peers_implement_the_seam_the_supervisor_is_typed_against():
     import inspect
 
-    from daemon import peers, supervisor
-    from daemon.nodes import Nodes
+    from daemon import supervisor
+    from daemon.acting import peers
+    from daemon.machines.nodes import Nodes
 
     seam = {name: inspect.signature(f) for name, f in vars(peers.Peers).items()
             if callable(f) and not name.startswith("_")}

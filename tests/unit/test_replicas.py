@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from contracts.protocol import FingerprintEvent
-from daemon.incidents import Kind
-from daemon.replicas import ReplicaCheck
+from daemon.judging.incidents import Kind
+from daemon.judging.replicas import ReplicaCheck
 from engine.rank import fingerprint
 
 
@@ -61,7 +61,7 @@ def test_two_replicas_that_differ_are_both_named_and_a_lone_rank_is_never_compar
 
 
 def test_the_ranks_an_incident_points_at():
-    from daemon.triage import suspects
+    from daemon.judging.triage import suspects
 
     nan, inf = float("nan"), float("inf")
     assert suspects([([2.0, 2.1], [1.0, inf])]) == [1]                   # a non-finite own gradient

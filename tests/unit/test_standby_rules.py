@@ -1,9 +1,9 @@
-"""When a warm standby is kept, and when one is not used (daemon/standby.py); no processes."""
+"""When a warm standby is kept, and when one is not used (daemon/processes/standby.py); no processes."""
 import pytest
 
 from contracts.config import load_config, with_changes
 from contracts.protocol import activation_line, await_activation
-from daemon.standby import Standby, wanted
+from daemon.processes.standby import Standby, wanted
 
 CFG = load_config(None, ['parallel.dp=2', 'train.micro_batch=4'])
 
@@ -38,7 +38,7 @@ def test_a_late_standby_takes_the_generations_scheduler_but_nothing_else_new():
     assert "MindSpore environment" in standby.unusable(cfg, [0, 1], _envs(GLOG_v="1"), now)
     early = Standby(CFG, 5000, (0, 1), _envs(), [], {})
     assert "MindSpore environment" in early.unusable(CFG, [0, 1], _envs(port="5001"), early.started_at + 1)
-    from daemon.standby import SCHEDULER
+    from daemon.processes.standby import SCHEDULER
 
     standby.pipes[SCHEDULER] = -1
     assert "no longer runs the scheduler" in standby.unusable(cfg, [0, 1], _envs(), now)
@@ -78,7 +78,7 @@ def test_a_late_standby_activated_as_other_ranks_writes_to_their_logs(tmp_path):
     import os
 
     from contracts.protocol import ENV_LOG_PATH
-    from daemon.generation import Worker
+    from daemon.processes.generation import Worker
 
     reads, pipes, workers = {}, {}, []
     for rank in (2, 3):

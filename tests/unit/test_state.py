@@ -1,5 +1,5 @@
 """state.json: strict JSON both ways; a corrupt file is an error that names it, never a traceback; the
-daemon sets it aside and rebuilds the state from the event log (daemon.state_rebuild, tested with literal events)."""
+daemon sets it aside and rebuilds the state from the event log (daemon.records.state_rebuild, tested with literal events)."""
 import io
 import json
 import math
@@ -9,13 +9,13 @@ import pytest
 from cli import main as cli_main
 from contracts.errors import DataError
 from contracts.protocol import ExitCode, LrOverride, RecoveryDirective
-from daemon import state_rebuild
-from daemon.eventlog import EventLog
-from daemon.incidents import Incident, IncidentRecord, Kind, Rollback
-from daemon.ledger import Ledger
-from daemon.metrics import Metrics
-from daemon.notify import Notifier
-from daemon.state import STATE_FILE, RunState, StateCorruptError, set_aside
+from daemon.judging.incidents import Incident, IncidentRecord, Kind, Rollback
+from daemon.records import state_rebuild
+from daemon.records.eventlog import EventLog
+from daemon.records.ledger import Ledger
+from daemon.records.metrics import Metrics
+from daemon.records.notify import Notifier
+from daemon.records.state import STATE_FILE, RunState, StateCorruptError, set_aside
 
 TS = "2025-01-02T03:04:05.250Z"
 UNIX_S = 1735787045.25
@@ -28,7 +28,7 @@ ROLLBACK_COLLAPSE = {"type": "rollback", "reason": "loss_collapse #2", "checkpoi
 
 
 def ev(event, generation, level="info", **fields):
-    """One line of events.jsonl, as daemon.eventlog writes it."""
+    """One line of events.jsonl, as daemon.records.eventlog writes it."""
     return {"ts": TS, "level": level, "event": event, "run": "r", "generation": generation, **fields}
 
 

@@ -12,7 +12,7 @@ callee found by its name); a local name bound to any of these. A field of one, o
 field, is a part of it, and so is a name bound to a container field (`changes = state.config_changes`)
 or a parameter passed one.
 
-What changes one, reported anywhere but daemon/state.py: assigning, augmenting or deleting an attribute
+What changes one, reported anywhere but daemon/records/state.py: assigning, augmenting or deleting an attribute
 or item of a RunState or of a part; a mutating method (append, update, pop, ...) called on a part;
 `+=` on a name bound to a container field; setattr/delattr/object.__setattr__ or vars()/__dict__ on
 one; dataclasses.replace of one. Calling RunState's own methods is the allowed way.
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-OWNER = Path("daemon", "state.py")
+OWNER = Path("daemon", "records", "state.py")
 CLASS = "RunState"
 WHOLE = "whole"     # a function's result is a RunState (else: the index of one in the tuple it returns)
 MUTATORS = frozenset({"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault",
@@ -86,7 +86,7 @@ def _annotation(node: ast.AST | None):
 
 @dataclasses.dataclass
 class Func:
-    key: str                     # "daemon.ledger.Ledger._load"
+    key: str                     # "daemon.records.ledger.Ledger._load"
     node: ast.AST                # a FunctionDef, a ClassDef (its body) or a Module (its top level)
     module: Module
     cls: str | None              # the class a method is defined in
@@ -435,8 +435,8 @@ def test_the_check_sees_the_run_state_where_the_daemon_holds_it():
     a = Analysis(ROOT)
     assert {"daemon", "engine", "checkpointing", "chaos"} <= {m.name.split(".")[0] for m in a.modules}
     assert "state" in a.facts.holders and a.facts.containers >= {"incidents", "config_changes", "processes"}
-    for module in ("daemon.ledger", "daemon.decisions", "daemon.state_rebuild", "daemon.supervisor",
-                   "daemon.generation_handshake", "daemon.decision_exchange"):
+    for module in ("daemon.records.ledger", "daemon.acting.decisions", "daemon.records.state_rebuild", "daemon.supervisor",
+                   "daemon.machines.generation_handshake", "daemon.machines.decision_exchange"):
         m = next(m for m in a.modules if m.name == module)
         held = [n for s in m.scopes for n in _own_nodes(s.node) if isinstance(n, ast.expr) and a.is_whole(n, s)]
         assert held, f"{module}: no RunState value found; the check no longer follows how the daemon holds it"
@@ -460,7 +460,7 @@ class RunState:
         self.status = status             # the owner may
 '''
 
-HEAD = "import dataclasses, json\nfrom dataclasses import replace\nfrom daemon.state import RunState\nfrom daemon import state as st\n"
+HEAD = "import dataclasses, json\nfrom dataclasses import replace\nfrom daemon.records.state import RunState\nfrom daemon.records import state as st\n"
 
 
 @pytest.mark.parametrize("source", [
@@ -522,7 +522,7 @@ def test_the_check_lets_reads_and_the_owners_methods_be(tmp_path, source):
 
 
 LEDGER = """
-from daemon.state import RunState
+from daemon.records.state import RunState
 
 class Ledger:
     def __init__(self, run_dir):
@@ -531,8 +531,9 @@ class Ledger:
 
 
 def _tree(root: Path, source: str) -> None:
-    (root / "daemon").mkdir()
+    (root / "daemon" / "records").mkdir(parents=True)
     (root / "daemon" / "__init__.py").write_text("")
+    (root / "daemon" / "records" / "__init__.py").write_text("")
     (root / OWNER).write_text(STATE)
-    (root / "daemon" / "ledger.py").write_text(LEDGER)
+    (root / "daemon" / "records" / "ledger.py").write_text(LEDGER)
     (root / "daemon" / "user.py").write_text(textwrap.dedent(source))

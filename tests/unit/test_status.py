@@ -4,7 +4,7 @@ import json
 import os
 
 from cli.status import render, summary
-from daemon.generation import start_ticks
+from daemon.processes.generation import start_ticks
 
 DEAD_PID = 2 ** 22 + 12345          # above pid_max's default: never a live process
 

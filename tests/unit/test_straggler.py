@@ -6,8 +6,8 @@ import pytest
 
 from contracts.config import load_config
 from contracts.protocol import StepEvent
-from daemon.incidents import Kind
-from daemon.straggler import StragglerDetector
+from daemon.judging.incidents import Kind
+from daemon.judging.straggler import StragglerDetector
 
 
 def cfg(*sets):

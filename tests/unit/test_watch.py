@@ -6,11 +6,11 @@ import pytest
 
 from contracts.config import load_config
 from contracts.protocol import CheckpointEvent, ExitEvent, PhaseEvent
-from daemon import watch
-from daemon.control import Request
-from daemon.health import HealthMonitor
-from daemon.incidents import Kind
-from daemon.watch import (
+from daemon.judging import watch
+from daemon.judging.health import HealthMonitor
+from daemon.judging.incidents import Kind
+from daemon.judging.requests import Request
+from daemon.judging.watch import (
     Committed,
     DumpStacks,
     Failed,
@@ -328,7 +328,7 @@ def test_a_checkpoint_request_becomes_a_command():
 @pytest.mark.parametrize("kind,grace", [(Kind.CRASH, 2.0), (Kind.HANG, 2.0), (Kind.OOM, 2.0),
                                         (Kind.NON_FINITE, 0.0)])
 def test_teardown_grace_depends_on_how_the_generation_ended(kind, grace):
-    from daemon.incidents import Incident
+    from daemon.judging.incidents import Incident
 
     failed = Failed(Incident(kind=kind, first_step=1, last_step=1))
     assert watch.teardown_grace_s(failed, 10.0, saving=True) == grace
@@ -390,7 +390,7 @@ def test_corrupt_data_reported_by_a_rank_is_an_incident_even_though_the_rank_exi
 
 def test_a_straggler_is_warned_about_and_ends_the_generation_only_when_set_to_restart():
     from contracts.protocol import StepEvent
-    from daemon.watch import Warned
+    from daemon.judging.watch import Warned
 
     def slow_rank_1(w, last):
         for s in range(1, last + 1):
@@ -453,7 +453,7 @@ def test_an_evaluation_is_reported_and_neither_a_hang_nor_a_stall():
     """Rank 0 measures the validation loss after step 10 (seconds, its graph compiling the first time); rank 1
     goes on and waits for it in the next collective. Both said they evaluate: judged by the compile timeout."""
     from contracts.protocol import EvalEvent
-    from daemon.watch import Validated
+    from daemon.judging.watch import Validated
 
     w = make()
     t = steps(w, 1, 10, 0.0)

@@ -1,0 +1,83 @@
+"""Carries out what the watch (a pure state machine) asked for during a generation: commands to the
+ranks, events, status, progress, warnings, checkpoint bookkeeping with retention, stack dumps."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from contracts.config import Config
+from daemon.judging import watch
+from daemon.judging.incidents import Incident, Kind
+from daemon.processes.generation import Generation
+from daemon.processes.run_files import RunFiles
+from daemon.records.ledger import Ledger
+
+
+def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generation, peers, files: RunFiles,
+              cfg: Config) -> None:
+    """`peers`: daemon.acting.peers.Alone or daemon.machines.nodes.Nodes (commands go through it; only the decider
+    retires checkpoints, its leadership confirmed first)."""
+    for e in effects:
+        if isinstance(e, watch.Send):
+            peers.send(e.name, dict(e.args), ledger, files.append_command)
+        elif isinstance(e, watch.Note):
+            ledger.emit(e.event, level=e.level, **e.fields)
+        elif isinstance(e, watch.Status):
+            ledger.set_status(e.status, e.text)
+        elif isinstance(e, watch.Progress):
+            ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
+            _cadence(ledger, cfg, peers, files, step=e)
+        elif isinstance(e, watch.Saving):
+            _cadence(ledger, cfg, peers, files, saving=e)
+        elif isinstance(e, watch.Validated):
+            ledger.validated(e.event)
+        elif isinstance(e, watch.Warned):
+            ledger.warn(e.incident)
+        elif isinstance(e, watch.Triaged):
+            ledger.triaged(e.verdict, e.first_step, dict(e.evidence), cfg.health)
+        elif isinstance(e, watch.CheckpointFailed):
+            ledger.checkpoint_failed(e.step, e.detail)
+        elif isinstance(e, watch.Committed):
+            # one event per save, the checkpoints it retired in it (a line of their own doubled the console)
+            retired = peers.is_leader and peers.confirm() and files.retire_old(cfg, ledger.state.incidents,
+                                                                               current_step=e.current_step)
+            ledger.emit("checkpoint_committed", rank=e.rank, step=e.step, detail=e.detail,
+                        **({"retired": retired} if retired else {}))
+            ledger.checkpoint_committed(e.step)
+            _disk_space(ledger, files, e.step)
+        elif isinstance(e, watch.DumpStacks):
+            gen.dump_stacks(e.ranks)
+
+
+def _cadence(ledger: Ledger, cfg: Config, peers, files: RunFiles, *, step: watch.Progress | None = None,
+             saving: watch.Saving | None = None) -> None:
+    """checkpoint.interval_steps / memory_interval_steps = "auto": the daemon times the saves and the steps
+    and moves the intervals (an `interval` command, a `checkpoint_interval` event) when a commit's cost or
+    the failures seen change the optimum (each generation starts with those in force: RunFiles)."""
+    cadence = ledger.cadence_for(cfg.checkpoint)
+    if cadence is None:
+        return
+    if step is not None:
+        cadence.step(step.event, step.compiled)
+        return
+    if saving.stage == "staged":
+        cadence.staged(saving.tier, saving.step, saving.seconds)
+        return
+    cadence.committed(saving.tier, saving.step)
+    if not peers.is_leader:                   # the decider sets the ranks' intervals for every machine
+        return
+    change = cadence.retune(ledger.state.failures())
+    ledger.state.set_cadence(cadence.to_dict())
+    if change is not None:
+        peers.send("interval", change["changed"], ledger, files.append_command)
+        ledger.emit("checkpoint_interval", **change)
+        ledger.save()
+
+
+def _disk_space(ledger: Ledger, files: RunFiles, step: int) -> None:
+    """A warning once the disk has room for fewer than two more checkpoints (said again only after
+    space came back), before saves start to fail."""
+    low = files.space_low(step)
+    if low is not None and not ledger.disk_space_low:
+        ledger.warn(Incident(kind=Kind.DISK_SPACE_LOW, first_step=step, last_step=step, needs_action=False,
+                             detail=low))
+    ledger.disk_space_low = low is not None

@@ -1,0 +1,196 @@
+"""The run directory as the supervisor writes it for its ranks: paths, and the files of a generation.
+
+Owns: where things are (run dir, log dir, checkpoints, the memory cgroup
+directory), what a generation's ranks are handed — the resolved config
+(`config.resolved.toml`), the recovery directive (`recovery.json`), a fresh
+commands file, their environment — and daemon-side checkpoint retention,
+which protects the newest checkpoint a rollback may still need, judged from
+the run's real incident log. Paths, not policy; no processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from checkpointing import CheckpointError, layout, reader, retention
+from contracts.config import Config, to_toml, with_changes
+from contracts.protocol import (
+    ENV_COMMANDS,
+    ENV_EVENT_SOCKET,
+    ENV_MEMORY_LIMIT,
+    ENV_NODE,
+    ENV_RECOVERY,
+    ENV_RERUN,
+    Command,
+    RecoveryDirective,
+    RerunDirective,
+)
+from daemon.judging.cadence import interval_args
+from daemon.judging.incidents import IncidentRecord
+from daemon.judging.policy import newest_healthy
+from daemon.processes import mindspore_env
+from daemon.processes.generation import worker_env
+from durable import write_atomically
+
+RESOLVED_CONFIG = "config.resolved.toml"
+_SYSTEMD_ONLY = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+class RunFiles:
+    def __init__(self, cfg: Config, env: Mapping[str, str]):
+        self.name = cfg.run.name
+        self.run_dir = cfg.run.resolved_dir(env).absolute()
+        # what is this node's own (its lock, state.json, control directory): the run directory itself on
+        # one machine; on several, which share the run directory, a directory per node inside it
+        self.node_dir = self.run_dir if cfg.run.nodes == 1 else self.run_dir / "nodes" / f"node-{cfg.run.node_rank}"
+        self.log_dir = cfg.run.resolved_log_dir(env).absolute()
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.commands = self.run_dir / "commands.jsonl"
+        self.recovery = self.run_dir / "recovery.json"
+        self.rerun = self.run_dir / "rerun.json"
+        self.resolved_config = self.run_dir / RESOLVED_CONFIG
+        self.memory_dir = cfg.checkpoint.memory_dir
+        local = cfg.parallel.world_size // cfg.run.nodes
+        self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
+        self.node = cfg.run.node_rank          # this machine's own index (a generation's config numbers its slot)
+        self._seq = 0
+        self.fence_generation = 0       # several machines: commands are stamped with their generation
+
+    def memory_root(self) -> Path | None:
+        """The run's RAM tier of checkpoints (checkpoint.memory_interval_steps); None while the run
+        directory does not exist."""
+        try:
+            return layout.memory_root(self.run_dir, self.memory_dir)
+        except OSError:
+            return None
+
+    def memory_steps(self) -> list[int]:
+        """The RAM tier's committed checkpoints (none without one)."""
+        memory = self.memory_root()
+        return layout.committed_steps(memory) if memory is not None and memory.is_dir() else []
+
+    @property
+    def cgroup_dir(self) -> str:
+        """The run's directory under the daemon's memory cgroup: one child per rank and generation."""
+        return f"llm-pretrain-{self.name}"
+
+    def committed_steps(self) -> list[int]:
+        """Committed checkpoints that look complete (manifest, shard sizes): what the ranks will find,
+        short of a checksum only they compute; one that does not is theirs to quarantine."""
+        return [s for s in layout.committed_steps(self.ckpt_root)
+                if not reader.looks_complete(layout.step_dir(self.ckpt_root, s))]
+
+    def space_low(self, step: int) -> str | None:
+        """Why the disk will soon refuse saves, if it will: less free space than two checkpoints the
+        size of committed `step` (retention frees one at most per commit)."""
+        import shutil
+
+        try:
+            manifest = reader.read_manifest(layout.step_dir(self.ckpt_root, step))
+            size = sum(int(sh["size_bytes"]) for sh in manifest["shards"])
+            free = shutil.disk_usage(self.ckpt_root).free
+        except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+            return None
+        if free >= 2 * size:
+            return None
+        return (f"{free:,} bytes free under {self.ckpt_root}: room for fewer than two more checkpoints of "
+                f"{size:,} bytes (step {step}); saves will fail when it runs out")
+
+    def committed_step(self) -> int:
+        steps = self.committed_steps()
+        return steps[-1] if steps else 0
+
+    # A generation's files ----------------------------------------------------------------------
+    def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None,
+                           rerun: dict | None = None, cadence: dict | None = None) -> int:
+        """The resolved config, the recovery directive, the rerun directive of a generation that reruns an
+        incident's steps and a fresh commands file, ready for the ranks; returns the step they resume from.
+        The commands file starts with the checkpoint intervals in force when they are "auto" (`cadence`:
+        state.json's, daemon.judging.cadence): the ranks take them after their first step."""
+        resolved = with_changes(cfg, {"run.dir": str(self.run_dir), "run.log_dir": str(self.log_dir)})
+        write_atomically(self.resolved_config, to_toml(resolved, [
+            "written by the llm-pretrain daemon for each generation: the config its ranks run with",
+            "(the operator's file as the daemon read it at its start, plus the recovery policy's changes)"]))
+        if recovery is not None:
+            write_atomically(self.recovery, recovery.to_json())
+        else:
+            self.recovery.unlink(missing_ok=True)
+        if rerun is not None:
+            write_atomically(self.rerun, RerunDirective.from_dict(rerun).to_json())
+        else:
+            self.rerun.unlink(missing_ok=True)
+        self._seq = 0
+        self.commands.write_text("")               # commands are per generation
+        if (intervals := interval_args(cfg.checkpoint, cadence)):
+            self.append_command("interval", intervals)
+        return self.committed_step()
+
+    def append_command(self, name: str, args: dict) -> int:
+        """One command line for the ranks, durable before they can read it; returns its seq."""
+        self._seq += 1
+        with open(self.commands, "a") as f:
+            f.write(Command(seq=self._seq, name=name, args=args, generation=self.fence_generation).to_json() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        return self._seq
+
+    def rank_env(self, env: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int,
+                 sock: Path) -> dict[str, str]:
+        base = {k: v for k, v in env.items() if k not in _SYSTEMD_ONLY}   # the daemon speaks for them
+        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands), ENV_NODE: str(self.node)})
+        if self.recovery.exists():
+            base[ENV_RECOVERY] = str(self.recovery)
+        if self.rerun.exists():
+            base[ENV_RERUN] = str(self.rerun)
+        if cfg.run.worker_memory_limit_bytes:
+            base[ENV_MEMORY_LIMIT] = str(cfg.run.worker_memory_limit_bytes)
+        if cfg.run.compile_cache:
+            base.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=str(self.compile_cache_dir(cfg)))
+        return worker_env(base, cfg, rank=rank, port=port, generation=generation)
+
+    def scheduler_env(self, env: Mapping[str, str], cfg: Config, *, port: int, generation: int) -> dict[str, str]:
+        world = cfg.parallel.world_size
+        if mindspore_env.has_hub(cfg):
+            return mindspore_env.hub_env(env, host=cfg.run.master_addr, port=port, world=world, generation=generation)
+        return mindspore_env.process_env(env, role=mindspore_env.SCHEDULER, sched_host=cfg.run.master_addr, sched_port=port,
+                                   worker_num=world, local_worker_num=world // cfg.run.nodes, generation=generation)
+
+    def compile_cache_dir(self, cfg: Config) -> Path:
+        """One cache per graph-shaping config: MindSpore reuses a cached graph of another shape (say,
+        before the policy halved the micro-batch) and then fails with "Parameter[N] has no default
+        param". Keyed by every section but the daemon's own. A local group's graphs hold no
+        collective and no world size (engine/training/step.py): its data-parallel size and
+        accumulation shape them only through their product and whether each is above 1, so a run
+        shrunk or regrown by whole machines with the same micro-batch keeps its cache."""
+        shaping = {k: v for k, v in cfg.to_dict().items() if k not in ("run", "health", "checkpoint")}
+        if mindspore_env.is_local_group(cfg):
+            dp, accum = shaping["parallel"].pop("dp"), shaping["train"].pop("grad_accum_steps")
+            shaping["per_update"] = [dp * accum, dp > 1, accum > 1]
+        key = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:16]
+        return self.run_dir / "compile_cache" / key
+
+    # Retention ---------------------------------------------------------------------------------
+    def retire_old(self, cfg: Config, incidents: Sequence[IncidentRecord], *, current_step: int) -> list[int]:
+        """After a commit: keep the newest `keep_last`, every `keep_every_steps`, and those a rollback
+        may still need (see `protected_steps`); retire the rest. Returns the steps retired."""
+        protected = protected_steps(self.committed_steps(), incidents, cfg, current_step=current_step)
+        return retention.retire_old(self.ckpt_root, keep_last=cfg.checkpoint.keep_last,
+                                    keep_every=cfg.checkpoint.keep_every_steps, protected=protected)
+
+
+def protected_steps(committed: Sequence[int], incidents: Sequence[IncidentRecord], cfg: Config, *,
+                    current_step: int) -> set[int]:
+    """The checkpoints a rollback may still need. An incident not yet detected started after
+    `current_step` - its hold (a loss spike's hold; an fp16 overflow storm's length), else it would
+    have been detected already; its rollback target is the newest healthy checkpoint more than the
+    rollback margin before its start. So: the newest healthy one (by the incident log) at or before
+    that horizon, and every one after it, since any of those may become the target as steps go on."""
+    h = cfg.health
+    hold = max(h.loss_spike_hold_steps, h.overflow_storm_steps if cfg.train.precision == "fp16" else 1)
+    horizon = current_step - hold - h.rollback_margin_steps
+    rolled = [r.incident for r in incidents if r.is_rollback]
+    settled = newest_healthy([s for s in committed if s <= horizon], rolled, h.rollback_margin_steps)
+    return {s for s in committed if s > horizon} | ({settled} if settled else set())
