@@ -41,8 +41,9 @@ from engine.training.step_state import StepResult, StepState
 
 
 class ShardedStep(StepState):
-    def __init__(self, net: nn.Cell, cfg: Config):
+    def __init__(self, net: nn.Cell, cfg: Config, *, stage: int = 0):
         super().__init__(net, cfg)
+        from mindspore.communication import GlobalComm
         from mindspore.parallel.nn import GradAccumulation, Pipeline
 
         from engine.training.grad_reducer import GradReducer
@@ -56,28 +57,90 @@ class ShardedStep(StepState):
             self.network = net
         self.reducer = (GradReducer(self.params, opt_shard=cfg.parallel.optimizer_shard)
                         if self.micro > 1 else None)
-        # the compiler recognises this marked ExpandDims and makes the sum global (see the module doc)
-        self.expand = ops.ExpandDims().add_prim_attr("grad_scale", True)
+        # The gradients of the network's only output, the loss, with the loss scale as its sensitivity
+        # (MindFormers' and MindSpore's TrainOneStep pattern): the parallel pass finds that loss and inserts
+        # the divisor (_VirtualDiv) of the devices that hold it, so the mirror operators' sums are the mean's
+        # gradient. value_and_grad(..., has_aux=True) returned a tuple: no loss found, no divisor, every
+        # gradient summed over the stage's devices (issue 47).
+        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        self.loss_of = _NextTokenLoss(self.network)
+        # the squares of the gradients this rank's stage trains (all of them without a pipeline)
+        stages = {id(p): s for name, cell in net.cells_and_names() if name in parallel.cell_stages(cfg)
+                  for s in [parallel.cell_stages(cfg)[name]] for p in cell.get_parameters()}
+        self.in_stage = tuple(cfg.parallel.pp == 1 or stages.get(id(p), 0) == stage for p in self.params)
+        self.stage_devices = cfg.parallel.dp * cfg.parallel.tp
+        self.pp = cfg.parallel.pp
+        self.world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
 
-        def scaled_loss(inputs, targets, multiplier):
-            loss = self.network(inputs, targets)
-            return loss * multiplier, loss
-
-        self._grad_fn = ms.value_and_grad(scaled_loss, None, self.params, has_aux=True)
+    def gradients(self, tokens, sens):
+        """(the loss, the gradients of the loss times `sens`): the form the compiler recognises."""
+        loss = self.loss_of(tokens)
+        grads = self.grad(self.loss_of, self.params)(tokens, ops.ones_like(loss) * sens.astype(loss.dtype))
+        return loss, grads
 
     def construct(self, tokens, lr, poison):
-        inputs, targets = tokens[:, :-1], tokens[:, 1:]
-        (_, loss), grads = self._grad_fn(inputs, targets, self.scaler.scale * poison)
+        loss, grads = self.gradients(tokens, self.scaler.scale * poison)
         if self.reducer is not None:
             grads = self.reducer(grads)
         inv = 1.0 / (self.scaler.scale * self.micro)
         grads = [g * inv for g in grads]
         loss = loss / self.micro
-        squares = [self.expand(ops.reduce_sum(ops.square(g.astype(ms.float32))), 0) for g in grads]
-        grad_norm = ops.sqrt(ops.addn(squares))[0]
-        finite = ops.isfinite(grad_norm)
+        grad_norm = self._global_norm(grads)
+        # every rank skips or none does: the non-finite flag summed over the world, not read off each
+        # rank's own norm (issue 47)
+        overflow = self.world_sum(ops.logical_not(ops.isfinite(grad_norm)).astype(ms.float32))
+        finite = overflow == 0.0
         done, scale_used = self._clip_and_update(grads, grad_norm, finite, lr)
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite)
+
+    def _global_norm(self, grads):
+        """The norm of the whole gradient. Each square sum is a ReduceSum of the logical (unsplit) gradient,
+        which the parallel pass all-reduces over the axes it splits, so within a stage it is the whole
+        parameter's; with a pipeline each stage sums its own parameters and one explicit all-reduce over the
+        world adds the stages (every stage's sum is held by its dp x tp devices). Nothing depends on the
+        compiler's search for `grad_scale`-marked ExpandDims (HandleGlobalNormScale: 10 nodes deep)."""
+        squares = [ops.reduce_sum(ops.square(g.astype(ms.float32))) for g, mine in zip(grads, self.in_stage) if mine]
+        total = ops.addn(squares)
+        if self.pp > 1:
+            total = self.world_sum(total) / self.stage_devices
+        return ops.sqrt(total)
+
+    def _update(self, grads, finite, lr):
+        """AdamW unless not finite, without a graph branch: MindSpore's kernel-by-kernel backend (Ascend
+        O0/O1) refuses a data-dependent branch in the step ("Can not build a sub graph which contains
+        ConditionSwitch ... by kbk"). A skipped step runs the same kernel with lr 0, betas 1, decay 0 and
+        the gradients' non-finite elements zeroed: parameters, moments and the count come out bit-identical.
+        Computed like engine.training.optim.AdamW.update (torch's AdamW by the fused kernel's inputs)."""
+        opt, cfg = self.optimizer, self.optimizer.cfg
+        applied = finite.astype(ms.int32)
+        step = opt.step + applied
+        t = ops.maximum(step, 1).astype(ms.float32)
+        bias1 = 1.0 - ops.pow(cfg.beta1, t)
+        bias2_sqrt = ops.sqrt(1.0 - ops.pow(cfg.beta2, t))
+        one, zero = ops.ones((), ms.float32), ops.zeros((), ms.float32)
+        lr_k = ops.select(finite, lr * bias2_sqrt / bias1, zero)
+        b1 = ops.select(finite, ops.fill(ms.float32, (), cfg.beta1), one)
+        b2 = ops.select(finite, ops.fill(ms.float32, (), cfg.beta2), one)
+        eps_k = ops.select(finite, cfg.eps * bias2_sqrt, one)
+        decay_k = ops.select(finite, cfg.weight_decay * bias1 / bias2_sqrt, zero)
+        no_decay = zero
+        scale_used = self.scaler.scale * 1.0
+        done = ops.assign(opt.step, step)
+        for p, g, m, v, wd_on in zip(opt.params, grads, opt.exp_avg, opt.exp_avg_sq, opt.decays):
+            g = ops.select(ops.isfinite(g), g, ops.zeros_like(g))
+            done = ops.depend(done, opt.adam(p, m, v, lr_k, b1, b2, eps_k, decay_k if wd_on else no_decay, g))
+        return ops.depend(done, self.scaler.adjust(finite)), scale_used
+
+
+class _NextTokenLoss(nn.Cell):
+    """The network's loss of a batch of token rows (inputs: all but the last token; targets: all but the first)."""
+
+    def __init__(self, network: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.network = network
+
+    def construct(self, tokens):
+        return self.network(tokens[:, :-1], tokens[:, 1:])
 
 
 def wrap(step: ShardedStep, parallelism: parallel.Parallelism, strategy_file: str):
@@ -104,7 +167,7 @@ class ShardedTrainStep:
                  run_dir: Path):
         self.cfg, self.rank = cfg, rank
         self.accum_steps = cfg.train.grad_accum_steps
-        self.cell = ShardedStep(net, cfg)
+        self.cell = ShardedStep(net, cfg, stage=parallel.coordinates(rank, cfg).stage)
         self.scaler = self.cell.scaler
         strategy = run_dir / "strategy" / f"rank_{rank}.ckpt"
         strategy.parent.mkdir(parents=True, exist_ok=True)
@@ -115,6 +178,9 @@ class ShardedTrainStep:
         self.all_reduce = ops.AllReduce()
         self.compiled_once = False
         self.simulated = bool(os.environ.get("MS_SIMULATION_LEVEL"))
+        # MS_SIMULATION_LEVEL=0 compiles the frontend and the parallel passes only: nothing to run, and a
+        # call hands back a placeholder int, not the step's outputs
+        self.compile_only = os.environ.get("MS_SIMULATION_LEVEL") == "0"
 
     def _inputs(self, micro_batches: np.ndarray, lr: float, poison: float):
         tokens = micro_batches.reshape(-1, micro_batches.shape[-1])      # (accum x rows, seq_len + 1)
@@ -130,8 +196,13 @@ class ShardedTrainStep:
             control: np.ndarray | None = None) -> StepResult:
         if micro_batches.shape[0] != self.accum_steps:
             raise ValueError(f"expected {self.accum_steps} micro-batches, got {micro_batches.shape[0]}")
-        loss, grad_norm, scale, skipped = (x.asnumpy() for x in self.compiled(*self._inputs(micro_batches, lr,
-                                                                                                poison)))
+        inputs = self._inputs(micro_batches, lr, poison)
+        if self.compile_only:
+            self.compiled.compile(*inputs)
+            self.compiled_once = True
+            return StepResult(loss=0.0, grad_norm=0.0, loss_scale=float(self.scaler.scale.asnumpy()), skipped=False,
+                              control=() if control is None else tuple(int(v) for v in control))
+        loss, grad_norm, scale, skipped = (x.asnumpy() for x in self.compiled(*inputs))
         self.compiled_once = True
         synced = time.perf_counter()
         flags = np.zeros(1, np.int32) if control is None else control.astype(np.int32)
