@@ -192,6 +192,11 @@ class ParallelConfig:
                                    # inside each tensor-parallel group (Ascend, tp > 1; MindFormers' use_seq_parallel)
     device_memory_gib: float = 64.0  # memory of one device (Ascend); `run` refuses a layout the estimate
                                      # (`llm-pretrain plan`) says cannot fit
+    plan_recipe: str = "project"   # what `plan` counts: "project" (this project's step: fp32 weights, gradients and
+                                   # accumulators, fp32 residual stream) or "mindformers" (MindFormers' LLaMA-2
+                                   # pretrain recipe, to compare with its published figures: fp16 weights, gradients
+                                   # and accumulators, fp32 AdamW moments, no fp32 master copy, activations in the
+                                   # compute dtype); `run` refuses "mindformers" (configs/mindformers-llama2-7b.toml)
     local_reduce: bool = True      # CPU data parallel with every rank on one machine: sum gradients through
                                    # /dev/shm (engine/training/local_reduce.py) instead of MindSpore's AllReduce, and
                                    # under the daemon form no MindSpore cluster (daemon/processes/mindspore_env.py); false:
@@ -205,6 +210,7 @@ class ParallelConfig:
         for key in ("dp", "tp", "pp", "pipeline_microbatches"):
             _at_least(f"parallel.{key}", getattr(self, key), 1)
         _in_range("parallel.device_memory_gib", self.device_memory_gib, 0.0, 1e6, open_low=True)
+        _choice("parallel.plan_recipe", self.plan_recipe, ("project", "mindformers"))
 
     @property
     def world_size(self) -> int:
@@ -608,6 +614,8 @@ def _check_cross_section(cfg: Config) -> None:
             if value != neutral:
                 _fail(f"parallel.{key} = {_toml(value)} needs train.device = \"ascend\"; on \"cpu\" only "
                       f"data parallel runs (set parallel.{key} = {_toml(neutral)})")
+    if p.plan_recipe != "project" and t.device != "ascend":
+        _fail(f'parallel.plan_recipe = "{p.plan_recipe}" is an Ascend recipe for `plan`: it needs train.device = "ascend"')
     per_step = t.micro_batch * t.grad_accum_steps * p.dp
     if per_step != t.global_batch:
         _fail(f"train.global_batch = {t.global_batch} must equal train.micro_batch ({t.micro_batch}) x "

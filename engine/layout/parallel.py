@@ -42,6 +42,10 @@ from engine.data import order
 
 DATA_PARALLEL, SEMI_AUTO = "data_parallel", "semi_auto_parallel"
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+# the parallel optimizer's level (AutoParallel.hsdp): level1 splits the weights and optimizer states across dp and
+# leaves the gradient accumulators (pipeline, GradAccumulation) whole; level2 would split those too, at the cost
+# of a reduce-scatter per micro-batch. engine/layout/memory_model.py counts what this level holds.
+OPTIMIZER_LEVEL = "level1"
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 Strategy = tuple[tuple[int, ...], ...]
@@ -122,7 +126,7 @@ def _auto_parallel_settings(cfg: Config, mode_: str, *, strategy_file: str = "")
         "dataset_strategy": "full_batch",     # every rank feeds the whole global micro-step batch
         "pipeline": {"stages": p.pp, "scheduler": "1f1b"} if p.pp > 1 else None,
         # the parallel optimizer: fp32 weights and optimizer states split across dp (ZeRO-1-like, level1)
-        "hsdp": {"optimizer_level": "level1"} if p.optimizer_shard else None,
+        "hsdp": {"optimizer_level": OPTIMIZER_LEVEL} if p.optimizer_shard else None,
         "save_param_strategy_file": strategy_file,
     }
 

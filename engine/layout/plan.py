@@ -19,6 +19,7 @@ from engine.layout.memory_model import (
     COMPUTE_BYTES,
     GIB,
     Layout,
+    Recipe,
     StageMemory,
     estimate,
     layer_param_counts,
@@ -102,7 +103,7 @@ def step_seconds(cfg: Config, lay: Layout, hw: Hardware) -> float:
         ring = 2 * (lay.tp - 1) / lay.tp
         seconds += flushes * (m.num_layers // lay.pp) * per_layer * ring / group_bw(lay.tp)
     if lay.dp > 1:
-        grads = 4 * total_param_count(m) / (lay.tp * lay.pp)
+        grads = Recipe.of(cfg).param_bytes * total_param_count(m) / (lay.tp * lay.pp)
         seconds += grads * 2 * (lay.dp - 1) / lay.dp / group_bw(lay.dp * lay.tp)
     if lay.pp > 1:
         hop = 2 * c * seq * batch * m.hidden_size // (lay.tp if lay.sp else 1)
@@ -219,8 +220,9 @@ def report(cfg: Config, devices: int, hw: Hardware, *, layout: Layout | None = N
             ranks = min(devices, hw.devices_per_node)
             held = "slices" if mode(config_with(cfg, lay)) == SEMI_AUTO else "copy"
             lines.append(f"  host memory to initialise: {per_rank / GIB:.1f} GiB per rank, "
-                         f"{ranks * per_rank / GIB:.1f} per machine of {ranks} (each rank's {held} of the fp32 "
-                         "weights and both moments; MindSpore's own per process not counted)")
+                         f"{ranks * per_rank / GIB:.1f} per machine of {ranks} (each rank's {held} of the "
+                         f"{Recipe.of(cfg).param_dtype} weights and both moments; MindSpore's own per process not "
+                         "counted)")
             if not fits:
                 verdict = (f"it needs about {worst.total / GIB:.1f} GiB per device (stage {worst.stage}), more than "
                            f"{hw.memory_gib:g} GiB")
@@ -244,10 +246,15 @@ _NEUTRAL = {"dp": 1, "tp": 1, "pp": 1, "pipeline_microbatches": 1, "sp": False, 
 
 def check_fits(cfg: Config) -> Config:
     """The config, if its layout fits the device memory; an Ascend layout the memory estimate says
-    cannot fit is refused (ConfigError) before any cluster time. The command line calls it after the
+    cannot fit is refused (ConfigError) before any cluster time, and so is a config that only describes
+    another framework's recipe for `plan` (`parallel.plan_recipe`). The command line calls it after the
     schema's own checks: fitting is the planner's judgement, not the schema's."""
     from contracts.errors import ConfigError
 
+    if cfg.parallel.plan_recipe != "project":
+        raise ConfigError(f'parallel.plan_recipe = "{cfg.parallel.plan_recipe}" is for `llm-pretrain plan` only (it '
+                          "counts another framework's recipe); this project's step trains fp32 weights: remove it "
+                          "to run")
     if cfg.train.device != "ascend":
         return cfg
     worst = peak(estimate(cfg))

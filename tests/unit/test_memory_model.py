@@ -189,14 +189,89 @@ def test_dry_run_plays_the_first_rank_of_each_stage_and_reads_the_memory_pools_p
     assert dry_run.toolkit_home({"ASCEND_HOME_PATH": "/nonexistent"}) is None or Path("/usr/local/Ascend").is_dir()
 
 
-def test_optimizer_sharding_keeps_each_gathered_weight_from_forward_to_backward():
-    """The parallel optimizer all-gathers each sharded weight for the forward pass and keeps the whole until
-    the backward pass, recomputed layers included: at 7B dp4 x tp2, 12.5 GiB of fp32 per device."""
-    big = ["parallel.device_memory_gib=10000"]
-    cfg = load_config(SEVEN_B, big)
-    assert cfg.parallel.optimizer_shard and cfg.parallel.dp == 4 and cfg.recompute_layers == cfg.model.num_layers
-    stage = mm.estimate(cfg)[0]
-    count = mm.stage_param_count(cfg.model, tp=2, pp=1, stage=0, layers=cfg.model.num_layers)
-    assert stage.gathered_weights == 4 * count and 12.4 < stage.gathered_weights / mm.GIB < 12.7
-    unsharded = mm.estimate(load_config(SEVEN_B, big + ["parallel.optimizer_shard=false"]))[0]
-    assert unsharded.gathered_weights == 0 and stage.total - stage.gathered_weights < unsharded.total
+def _seven_b(*extra):
+    cfg = load_config(SEVEN_B, ["parallel.device_memory_gib=10000", *extra])
+    split, replicated = mm.layer_param_counts(cfg.model, cfg.parallel.tp)
+    count = mm.stage_param_count(cfg.model, tp=cfg.parallel.tp, pp=1, stage=0, layers=cfg.model.num_layers)
+    return cfg, mm.estimate(cfg)[0], split + replicated, count
+
+
+def test_level1_keeps_the_gradient_accumulators_whole_and_only_level2_shards_them():
+    """Rule 1. The project sets the parallel optimizer at level1, which leaves MindSpore's
+    grad_accumulation_shard false: SetClonedTensorShapeForOptimizer gives `accu_grads` the parameter's
+    tensor-parallel slice, not its dp shard. At 7B dp4 x tp2 with accumulation 16: 12.55 GiB, not 3.14."""
+    from engine.layout import parallel
+
+    cfg, stage, _, count = _seven_b()
+    assert parallel.OPTIMIZER_LEVEL == "level1"
+    assert parallel.decide(cfg).auto_parallel()["hsdp"] == {"optimizer_level": "level1"}
+    assert cfg.parallel.optimizer_shard and cfg.train.grad_accum_steps == 16
+    assert stage.grad_accum == 4 * count and 12.5 < stage.grad_accum / mm.GIB < 12.6
+    assert stage.params == 4 * count // 4                          # the weights do shard across dp 4
+    level2 = mm.estimate(cfg, optimizer_level="level2")[0]
+    assert level2.grad_accum == 4 * count // 4 and level2.params == stage.params
+    piped = mm.estimate(load_config(THIRTEEN_B, []))                # the pipeline's accumulators: whole too
+    for k, s in enumerate(piped):
+        assert s.grad_accum == 4 * mm.stage_param_count(load_config(THIRTEEN_B, []).model, tp=4, pp=2, stage=k,
+                                                        layers=20)
+
+
+def test_on_ascend_each_gradient_goes_into_its_accumulator_layer_by_layer():
+    """Rule 2. With accumulation (or a pipeline) on Ascend a gradient lives from its production to its
+    AssignAdd into the accumulator: one layer's (the largest unit: a decoder layer, the embedding or the
+    head) is counted, not the whole model's. With one micro-batch per step the whole gradient is produced
+    before it is reduced, and the CPU keeps its whole count (what a CPU build measures)."""
+    cfg, stage, layer, count = _seven_b()
+    embed = cfg.model.vocab_size * cfg.model.hidden_size // 2
+    assert layer > embed and stage.grads == 4 * layer
+    one_step = mm.estimate(load_config(SEVEN_B, ["train.micro_batch=32", "train.grad_accum_steps=1",
+                                                 "parallel.device_memory_gib=1e4"]))[0]
+    assert one_step.grads == 4 * count and one_step.grad_accum == 0
+    small_vocab_head = load_config(None, ASCEND + ["train.micro_batch=4", "train.grad_accum_steps=2"])
+    m = small_vocab_head.model
+    assert mm.estimate(small_vocab_head)[0].grads == 4 * max(sum(mm.layer_param_counts(m)),
+                                                             m.vocab_size * m.hidden_size)
+    piped = mm.estimate(load_config(THIRTEEN_B, []))                # the pipeline accumulates too
+    split, replicated = mm.layer_param_counts(load_config(THIRTEEN_B, []).model, 4)
+    assert [s.grads for s in piped] == [4 * (split + replicated)] * 2
+    cpu = mm.estimate(load_config(None, ["train.micro_batch=4", "train.grad_accum_steps=2"]))[0]
+    assert cpu.grads == 4 * mm.total_param_count(load_config(None, []).model)
+
+
+def test_the_gathered_weight_dies_at_its_cast_unless_its_layer_recomputes():
+    """Rule 3. The parallel optimizer all-gathers each weight in its own dtype (fp32) before the cast to
+    bf16. A layer that does not recompute keeps the cast (weight_copies), and the gathered fp32 whole dies
+    there; a recomputed layer keeps the gathered whole (MindSpore recomputes the all-gather only with
+    parallel_optimizer_comm_recompute) to cast it again. Where nothing is cast (fp32 compute), every layer
+    keeps it: it is the matmul's operand."""
+    cfg, stage, layer, count = _seven_b()
+    assert cfg.recompute_layers == 32
+    assert stage.gathered_weights == 4 * 32 * layer and 12.0 < stage.gathered_weights / mm.GIB < 12.1
+    assert stage.weight_copies == 2 * (count - 31 * layer)         # embedding, head, one layer being rebuilt
+    _, eight, _, _ = _seven_b("train.recompute_num_layers=8")
+    assert eight.gathered_weights == 4 * 8 * layer
+    _, plain, _, _ = _seven_b("train.recompute=false")
+    assert plain.gathered_weights == 0 and plain.weight_copies == 2 * count
+    _, fp32, _, _ = _seven_b('train.precision="fp32"', "train.recompute=false")
+    assert fp32.gathered_weights == 4 * count and fp32.weight_copies == 0
+    _, unsharded, _, _ = _seven_b("parallel.optimizer_shard=false")
+    assert unsharded.gathered_weights == 0 and unsharded.params == 4 * count
+
+
+def test_the_shipped_configs_per_device_estimates():
+    """configs/llama-7b.toml and llama-13b.toml as docs/ascend.md shows them."""
+    seven = mm.estimate(load_config(SEVEN_B, []), runtime=True)
+    assert round(seven[0].total / mm.GIB, 2) == 45.11
+    thirteen = mm.estimate(load_config(THIRTEEN_B, []), runtime=True)
+    assert [round(s.total / mm.GIB, 2) for s in thirteen] == [27.87, 26.99]
+
+
+def test_cpu_estimates_are_the_counts_a_cpu_build_holds():
+    """None of the Ascend rules reaches the CPU: the tiny model's whole-step counts by hand."""
+    n = 158016
+    for overrides in ([], ["train.micro_batch=4", "train.grad_accum_steps=2"], ['train.precision="fp16"'],
+                      ["train.recompute=true"], ["parallel.dp=2", "train.micro_batch=4"]):
+        stage = mm.estimate(load_config(None, overrides))[0]
+        accum = 4 * n if "train.grad_accum_steps=2" in overrides else 0
+        assert (stage.params, stage.grads, stage.grad_accum, stage.gathered_weights) == (4 * n, 4 * n, accum, 0)
+        assert stage.weight_copies == (2 * n if 'train.precision="fp16"' in overrides else 0)
