@@ -11,6 +11,7 @@ Builds on daemon.machines.membership.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable
 
@@ -20,6 +21,7 @@ from contracts.protocol import ExitCode
 from daemon.acting.peers import Opened, PeersUnavailableError
 from daemon.judging import quarantine, watch
 from daemon.judging.incidents import Incident, Kind
+from daemon.machines import leadership
 from daemon.machines.etcd_client import EtcdError
 from daemon.machines.etcd_keys import NotLeaderError
 from daemon.machines.membership import POLL_S, BecameLeader, Membership
@@ -64,21 +66,21 @@ class GenerationHandshake:
         members = self.m.wait_for(self.m.gathered, ledger, stopping, "waiting_for_nodes", self.m.missing)
         if members is None:
             return None
-        held = quarantine.excluded_nodes(ledger.state.lemons, time.time()) & set(members)
-        if self.coord.node in held:              # the decider's own machine: another decides, this one waits
-            if set(members) - held and self._resign(ledger):
+        held = quarantine.excluded_nodes(ledger.state.lemons, time.time())
+        sit_out = leadership.without_quarantined(members, held, self.coord.me(), self.coord.rules)
+        if sit_out.resign:                       # the decider's own machine: another decides, this one waits
+            if self._resign(ledger):
                 return BecameLeader()
-            held.discard(self.coord.node)        # no one else to decide: it stays in while it decides
+            sit_out = dataclasses.replace(       # its resignation failed: it decides this one, quarantined
+                leadership.without_quarantined(members, held - {self.coord.node}, self.coord.me(), self.coord.rules),
+                deferred=True)
+        if sit_out.deferred:
             ledger.emit("quarantine_deferred", level="warning", node=self.coord.node,
                         detail="this decider's own machine is quarantined and no other machine can decide: it "
                                "stays in the run")
-        if held:                                 # machines judged faulty sit out their probation
-            members = tuple(m for m in members if m not in held)
-            if len(members) < self.cfg.run.quorum:
-                raise PeersUnavailableError(
-                    f"nodes {sorted(held)} are quarantined and the {len(members)} left are fewer than run.min_nodes "
-                    f"= {self.cfg.run.quorum}; replace them, or take them back by removing their entries from the "
-                    "lemon list (state.json `lemons`)", ExitCode.CONFIG_ERROR)
+        if sit_out.give_up is not None:
+            raise PeersUnavailableError(sit_out.give_up.reason, ExitCode(sit_out.give_up.code))
+        members, held = sit_out.members, set(sit_out.left_out)
         cfg = self._shaped(base, ledger.state.config_changes, members, self.coord.addr)
         if not self._confirmed(ledger):          # the shared files are the decider's to write
             return BecameLeader()

@@ -23,9 +23,11 @@ from contracts.config import EMBEDDED, Config, config_hash
 from contracts.protocol import ExitCode
 from daemon.acting.peers import PeersUnavailableError
 from daemon.judging import quarantine, watch
+from daemon.machines import leadership
+from daemon.machines.coordinator import Coordinator
 from daemon.machines.embedded_etcd import EmbeddedMember
 from daemon.machines.etcd_client import Etcd, EtcdError, compare_modified, compare_none_under, op_delete_prefix, op_put
-from daemon.machines.etcd_keys import Coordinator, NotLeaderError, decode
+from daemon.machines.etcd_keys import NotLeaderError, decode
 from daemon.processes.run_files import RunFiles
 from daemon.records.ledger import Ledger
 
@@ -48,6 +50,7 @@ class Membership:
         self.run_id = ""                        # the run directory's identity (checkpointing.layout.run_id)
         self._leaderless_since: float | None = None
         self._waiting_since: float | None = None     # the decider began to wait for missing nodes
+        self.role = leadership.Role.FOLLOWER         # as the leadership core last saw this daemon
 
     @property
     def is_leader(self) -> bool:
@@ -174,22 +177,12 @@ class Membership:
         for a fresh run's first generation (machines boot at different times), else
         run.node_rejoin_timeout_s (a lost node's return) — the live ones if they are at least
         run.min_nodes (else the run ends)."""
-        live, run = self.live(), self.cfg.run
-        if len(live) == run.nodes:
-            self._waiting_since = None
-            return tuple(live)
-        now = self.clock()
-        self._waiting_since = self._waiting_since if self._waiting_since is not None else now
-        knob, limit_s = (("run.node_join_timeout_s", run.node_join_timeout_s) if self.coord.generation() is None
-                         else ("run.node_rejoin_timeout_s", run.node_rejoin_timeout_s))
-        if now - self._waiting_since < limit_s:
-            return None
-        if len(live) >= run.quorum:
-            self._waiting_since = None
-            return tuple(live)
-        raise PeersUnavailableError(
-            f"only {len(live)} of run.nodes = {run.nodes} nodes are up (nodes {live}) after {knob} "
-            f"= {limit_s:g} s, fewer than run.min_nodes = {run.quorum}", ExitCode.TEMP_FAIL)
+        got = leadership.gather(frozenset(self.live()), self.clock(), self.coord.rules,
+                                waiting_since=self._waiting_since, first_generation=self.coord.generation() is None)
+        self._waiting_since = got.waiting_since
+        if got.give_up is not None:
+            raise PeersUnavailableError(got.give_up.reason, ExitCode(got.give_up.code))
+        return got.members
 
     def missing(self) -> dict:
         live = self.live()
@@ -214,12 +207,7 @@ class Membership:
                 return None
             now = self.clock()
             self.check_coordinator(now)
-            if follower and self.is_leader:          # it decides (elected since, or all along)
-                return BecameLeader()
-            if follower and self._leaderless(ledger, now) and self.campaign(now, ledger.state.lemons):
-                self._leaderless_since = None
-                ledger.emit("elected", node=self.coord.node, addr=self.coord.addr,
-                            detail=f"node {self.coord.node} decides for the run now")
+            if follower and self._follower_elected(ledger, now):
                 return BecameLeader()
             if said is None or now - said > 60:
                 ledger.emit(note, level="warning" if said else "info", **fields())
@@ -227,6 +215,27 @@ class Membership:
             ledger.tick()
             time.sleep(POLL_S)
         return None
+
+    def _follower_elected(self, ledger: Ledger, now: float) -> bool:
+        """A follower's look while it waits (daemon.machines.leadership.step): it decides (elected since, or all
+        along), or no one decides and it is its turn to campaign (won: it decides now)."""
+        look = leadership.step(self.role, self.coord.view(), self.coord.me(), now, self.coord.rules,
+                               _passed_over(ledger.state.lemons))
+        self.role = look.role
+        effect = look.effects[0]
+        if isinstance(effect, (leadership.Lead, leadership.Resign)):    # a quarantined one resigns as it opens
+            return True
+        if self.coord.leader() is not None:
+            self._leaderless_since = None
+            return False
+        self._leaderless(ledger, now)
+        if isinstance(effect, leadership.Campaign) and self.campaign(now, ledger.state.lemons):
+            self._leaderless_since = None
+            self.role = leadership.Role.LEADER
+            ledger.emit("elected", node=self.coord.node, addr=self.coord.addr,
+                        detail=f"node {self.coord.node} decides for the run now")
+            return True
+        return False
 
     def _leaderless(self, ledger: Ledger, now: float) -> bool:
         """No decider stands: said once (status and event) until one does."""
@@ -272,7 +281,7 @@ class Membership:
 
     def cut_off(self, now: float) -> bool:
         """etcd silent past run.coordinator_timeout_s: the run checkpoints and stops (exit 75)."""
-        return self.coord.unreachable_s(now) > self.cfg.run.coordinator_timeout_s
+        return leadership.is_cut_off(self.coord.view(), now, self.coord.rules)
 
     # The run's end -------------------------------------------------------------------------------
     def finish(self, code: int, status: str, reason: str) -> None:

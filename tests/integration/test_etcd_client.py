@@ -109,7 +109,7 @@ def test_prefix_end_covers_exactly_the_prefix(prefix, end):
 
 def _coordinator(etcd, node: int, clock):
     from contracts.config import load_config
-    from daemon.machines.etcd_keys import Coordinator
+    from daemon.machines.coordinator import Coordinator
 
     cfg = load_config(None, ["run.nodes=2", f"run.node_rank={node}", "parallel.dp=2", "train.micro_batch=4",
                              f'run.coordinator="{etcd.url}"', "run.master_port=29500", "run.node_lease_ttl_s=2"])
@@ -119,7 +119,7 @@ def _coordinator(etcd, node: int, clock):
 def test_a_decider_seen_leaving_is_replaced_a_second_after_its_key_goes_whichever_daemon_joined_first(etcd):
     """Node 1's daemon joined before node 0's (its first read held no key of node 0): once node 0, the
     decider, is gone, node 1 waits PREFER_LOWER_S from the deletion, not two lease TTLs from its own join."""
-    from daemon.machines.etcd_keys import PREFER_LOWER_S
+    from daemon.machines.coordinator import PREFER_LOWER_S
 
     now = [1000.0]
     follower = _coordinator(etcd, 1, lambda: now[0])

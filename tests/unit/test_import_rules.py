@@ -238,7 +238,7 @@ def test_the_policy_decides_on_typed_incidents_not_dicts():
     assert "dict" not in str(inspect.signature(policy.decide))
 
 
-@pytest.mark.parametrize("path", _files("daemon/judging"), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [*_files("daemon/judging"), ROOT / "daemon/machines/leadership.py"], ids=lambda p: p.name)
 def test_the_deciding_modules_are_pure(path):
     """No clock, no processes, no files, no sockets in what decides: tests drive it with literal times."""
     name = path.name
