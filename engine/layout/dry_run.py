@@ -77,22 +77,48 @@ def stage_command(config: str | None, overrides: list[str], workdir: Path) -> li
 
 
 def stage_env(layout: Layout, rank: int, base: Mapping[str, str] = os.environ,
-              level: str = SIMULATION_LEVEL) -> dict[str, str]:
+              level: str = SIMULATION_LEVEL, ir_dir: Path | None = None) -> dict[str, str]:
+    """A simulated rank's environment. The memory run logs at INFO (GLOG_v=1: the pool's summary); the
+    graph compile at WARNING (INFO would be most of its time). With `ir_dir`, the graph after the
+    parallel pass (`step_parallel_end_*.ir`: the partitioned graph, with the inserted collectives and
+    the sliced parameters' shapes) is saved there, and nothing else."""
     env = {k: v for k, v in base.items() if not k.startswith("MS_ROLE")}
     env.update({"MS_SIMULATION_LEVEL": level, "RANK_SIZE": str(layout.devices), "RANK_ID": str(rank),
-                "GLOG_v": "1", "GLOG_logtostderr": "1"})
+                "GLOG_v": "1" if level == SIMULATION_LEVEL else "2", "GLOG_logtostderr": "1"})
+    if ir_dir is not None:
+        env.update({"MS_DEV_SAVE_GRAPHS": "1", "MS_DEV_SAVE_GRAPHS_PATH": str(ir_dir),
+                    "MS_DEV_DUMP_IR_PASSES": "step_parallel_end"})
     return env
 
 
-def _simulate(config: str | None, overrides: list[str], layout: Layout, rank: int, level: str,
-              timeout_s: float) -> subprocess.CompletedProcess:
+def simulate(config: str | None, overrides: list[str], layout: Layout, rank: int, level: str,
+             timeout_s: float, ir_dir: Path | None = None) -> subprocess.CompletedProcess:
+    """One simulated rank (`cli train` under MS_SIMULATION_LEVEL), its output captured."""
     with tempfile.TemporaryDirectory(prefix="llm-pretrain-dryrun-") as tmp:
-        return subprocess.run(stage_command(config, overrides, Path(tmp)), env=stage_env(layout, rank, level=level),
+        return subprocess.run(stage_command(config, overrides, Path(tmp)),
+                              env=stage_env(layout, rank, level=level, ir_dir=ir_dir),
                               capture_output=True, text=True, timeout=timeout_s)
 
 
-def _last_line(done: subprocess.CompletedProcess) -> str:
-    return (done.stderr.strip().splitlines() or done.stdout.strip().splitlines() or ["no output"])[-1]
+_simulate = simulate
+# MindSpore's own log lines (glog: "[INFO] PARALLEL(pid,...)", "[WARNING] ...", "[ERROR] ME(...)") and
+# the rank's closing line, which points at the traceback above it
+_GLOG = re.compile(r"^\[(DEBUG|INFO|WARNING|ERROR|CRITICAL)\] ")
+_EXCEPTION = re.compile(r"^[A-Za-z_.]*(Error|Exception|Interrupt)\b.*:")
+
+
+def error_line(done: subprocess.CompletedProcess) -> str:
+    """Why a simulated rank failed: the exception its traceback ends with, else its last line that is not
+    MindSpore's log (a failed compile ends with INFO lines after the error)."""
+    def mine(text: str) -> list[str]:
+        return [line.strip() for line in text.splitlines() if line.strip() and not _GLOG.match(line)]
+
+    lines = mine(done.stderr) or mine(done.stdout)
+    raised = [line for line in lines if _EXCEPTION.match(line)]
+    return (raised or lines or ["no output"])[-1]
+
+
+_last_line = error_line
 
 
 def compile_every_rank(config: str | None, overrides: list[str], layout: Layout, *, timeout_s: float) -> bool:
@@ -100,10 +126,10 @@ def compile_every_rank(config: str | None, overrides: list[str], layout: Layout,
     print(f"\ngraph compile of every rank (MS_SIMULATION_LEVEL={COMPILE_LEVEL}): {layout.devices} ranks")
     failed = 0
     for rank in range(layout.devices):
-        done = _simulate(config, overrides, layout, rank, COMPILE_LEVEL, timeout_s)
+        done = simulate(config, overrides, layout, rank, COMPILE_LEVEL, timeout_s)
         if done.returncode != 0:
             failed += 1
-            print(f"  rank {rank}: exit {done.returncode}: {_last_line(done)}")
+            print(f"  rank {rank}: exit {done.returncode}: {error_line(done)}")
     print(f"  {layout.devices - failed} of {layout.devices} ranks compiled")
     return failed == 0
 
@@ -120,12 +146,14 @@ def run(config: str | None, overrides: list[str], cfg: Config, layout: Layout, *
     print(f"\ndry run: MindSpore's simulation compile (MS_SIMULATION_LEVEL={SIMULATION_LEVEL}, toolkit {home}), "
           f"one process per pipeline stage")
     for stage, rank in enumerate(stage_ranks(layout)):
-        done = _simulate(config, overrides, layout, rank, SIMULATION_LEVEL, timeout_s)
-        peak = peak_bytes(done.stdout + done.stderr)
+        done = simulate(config, overrides, layout, rank, SIMULATION_LEVEL, timeout_s)
         mine = estimated[stage].total
-        if peak is None:
-            print(f"  stage {stage} (rank {rank}): no peak memory reported (exit {done.returncode}): "
-                  f"{_last_line(done)}")
+        if done.returncode != 0:           # a failed compile still prints the pool's summary: "... 0M"
+            print(f"  stage {stage} (rank {rank}): failed (exit {done.returncode}): {error_line(done)}")
+            continue
+        peak = peak_bytes(done.stdout + done.stderr)
+        if not peak:
+            print(f"  stage {stage} (rank {rank}): no peak memory reported")
             continue
         print(f"  stage {stage} (rank {rank}): compiler {peak / GIB:.2f} GiB, estimate {mine / GIB:.2f} GiB "
               f"({(mine - peak) / peak:+.0%})")
