@@ -123,7 +123,7 @@ class Supervisor:
 
     # Generations -------------------------------------------------------------------------------
     def _loop(self) -> int:
-        self.state.set_last_committed(self.files.committed_step())
+        self.ledger.note_committed(self.files.committed_step())
         undecided = self.peers.unfinished(self.ledger)          # multi-node: ended while this daemon was away
         while True:
             try:
@@ -162,7 +162,7 @@ class Supervisor:
                 port = gen.launch(self.files, self.env, worker_cmd=self.worker_cmd, port=port, ranks=ranks,
                                   scheduler_cmd=self.scheduler_cmd if opened.scheduler else None,
                                   standby=self.spare.claim(opened, gen.sock_path, ledger))
-                self.state.set_processes([w.record() for w in gen.workers])
+                self.ledger.note_processes([w.record() for w in gen.workers])
                 ledger.set_status("running")
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
                             resume_step=resume, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
@@ -176,7 +176,7 @@ class Supervisor:
                 ledger.hold_undecided(getattr(outcome, "incident", None))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s, saving=w.saving)
         finally:
-            self.state.set_processes(self.spare.records())     # a standby waits on through recovery
+            self.ledger.note_processes(self.spare.records())     # a standby waits on through recovery
             ledger.save()
             if gen.final_memory:
                 ledger.emit("generation_end", outcome=type(outcome).__name__.lower(), **gen.final_memory)

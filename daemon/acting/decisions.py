@@ -39,9 +39,7 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     state = ledger.state
     steps = files.committed_steps()                 # one scan of the manifests serves both
     committed = steps[-1] if steps else 0
-    if incident.kind.is_process_fault:
-        state.count_restart_progress(committed)
-    state.set_last_committed(committed)
+    ledger.note_committed(committed, counts_progress=incident.kind.is_process_fault)
     history = _history(ledger, steps, memory_steps=files.memory_steps() if cfg.run.nodes == 1 else ())
     action = policy.decide(incident, history, cfg.health, cfg.train)
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
@@ -59,7 +57,7 @@ def _record_decision(ledger: Ledger, record: IncidentRecord, *,
                      in_force: tuple[dict, RecoveryDirective | None] | None = None) -> None:
     """A decided incident into state.json, the same on the decider and on the others (RunState.apply_incident:
     its config changes, recovery directive and pending rollback; `in_force`: the decider's, taken as they are)."""
-    ledger.state.set_status("gave_up" if isinstance(record.action, Halt) else "restarting")
+    ledger.note_status("gave_up" if isinstance(record.action, Halt) else "restarting")
     ledger.record(record, "incident", "error", in_force=in_force)
 
 
@@ -85,7 +83,7 @@ def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
             if step > state.pending_rollback:
                 layout.retire(memory, step)
     resume = files.committed_step()
-    state.rollback_done(resume)
+    ledger.note_rollback_done(resume)
     ledger.emit("rollback", level="warning", checkpoint_step=resume, rolled_back_steps=moved, **fields)
     ledger.save()
     return resume
@@ -120,7 +118,7 @@ def end_as(outcome: watch.Finished | watch.Stopped | watch.WorkerFailed | watch.
 def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> None:
     """The next generation is coming after `backoff_s`: counted, saved, told."""
     state, incident = ledger.state, decision.record.incident
-    state.count_restart()
+    ledger.count_restart()
     ledger.save()
     ledger.metrics.update(restarts=state.restarts)
     ledger.notify.status(f"restarting after {incident.kind.value} from step {decision.resume_step} "
@@ -166,9 +164,9 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     if record.committed_step is not None:          # what the decider saw: a follower applying it later may
         steps = [s for s in steps if s <= record.committed_step]     # see the next generation's checkpoints
     if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as the decider's
-        state.count_restart_progress(steps[-1] if steps else 0)
+        ledger.note_committed(steps[-1] if steps else 0, counts_progress=True)
     if record.committed_step is not None:
-        state.set_last_committed(record.committed_step)
+        ledger.note_committed(record.committed_step)
     history = _history(ledger, steps)
     own = policy.decide(record.incident, history, cfg.health, cfg.train)
     _record_decision(ledger, record, in_force=(

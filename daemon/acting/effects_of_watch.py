@@ -66,7 +66,7 @@ def _cadence(ledger: Ledger, cfg: Config, peers, files: RunFiles, *, step: watch
     if not peers.is_leader:                   # the decider sets the ranks' intervals for every machine
         return
     change = cadence.retune(ledger.state.failures())
-    ledger.state.set_cadence(cadence.to_dict())
+    ledger.note_cadence(cadence.to_dict())
     if change is not None:
         peers.send("interval", change["changed"], ledger, files.append_command)
         ledger.emit("checkpoint_interval", **change)

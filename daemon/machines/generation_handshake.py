@@ -142,7 +142,7 @@ class GenerationHandshake:
                             lambda: {"after": max(ledger.state.generation, self.m.joined_at or 0)}, follower=True)
         if g is None or isinstance(g, BecameLeader):
             return g
-        ledger.state.set_config_changes(g.get("config_changes") or {})
+        ledger.note_config_changes(g.get("config_changes") or {})
         members = tuple(g["members"])
         self._set_generation(ledger, g["number"], members)
         cfg = self._shaped(base, ledger.state.config_changes, members, g.get("addr") or self.cfg.run.master_addr)

@@ -217,7 +217,7 @@ class Keeper:
             ledger.emit("standby_failed", level="warning", detail=f"cannot start a standby: {e}")
             self.standby = Standby.none(cfg)
             return
-        ledger.state.set_processes([w.record() for w in gen.workers] + self.standby.records())
+        ledger.note_processes([w.record() for w in gen.workers] + self.standby.records())
         ledger.save()
         ledger.emit("standby_started", pids={w.rank: w.pid for w in self.standby.workers}, port=self.standby.port)
 

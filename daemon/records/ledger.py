@@ -123,6 +123,34 @@ class Ledger:
         if text:
             self.notify.status(text)
 
+    # What the others report; the Ledger writes it into the run's state (the only writer outside the rebuild)
+    def note_status(self, status: str) -> None:
+        """The status a decision puts the run in; saved with the decision's record."""
+        self.state.set_status(status)
+
+    def note_processes(self, records) -> None:
+        """The processes of this generation (and a waiting standby's), for the next daemon to end."""
+        self.state.set_processes(records)
+
+    def note_committed(self, step: int, *, counts_progress: bool = False) -> None:
+        """The newest committed checkpoint; `counts_progress`: a process fault's restart is counted against it."""
+        if counts_progress:
+            self.state.count_restart_progress(step)
+        self.state.set_last_committed(step)
+
+    def note_rollback_done(self, resume_step: int) -> None:
+        self.state.rollback_done(resume_step)
+
+    def count_restart(self) -> int:
+        return self.state.count_restart()
+
+    def note_cadence(self, cadence) -> None:
+        self.state.set_cadence(cadence)
+
+    def note_config_changes(self, changes) -> None:
+        """The config changes in force, as the decider published them with a generation."""
+        self.state.set_config_changes(changes)
+
     def set_waiting(self, what: str) -> None:
         """What the daemon waits for (`status` shows it) until its ranks run again."""
         self.state.set_waiting(what)

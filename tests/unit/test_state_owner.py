@@ -1,6 +1,7 @@
-"""RunState has one owner, its own module: every other module changes a run's state only through the
-methods of RunState (DESIGN.md: "a record such as RunState changes through its own methods; the rebuild
-from the log and the live path call the same ones").
+"""RunState has one writer: its fields change only inside its own module, through its methods, and those
+methods that change it are called only by the Ledger (daemon/records/ledger.py) and the rebuild from the
+event log (daemon/records/state_rebuild.py): the live path and the rebuild call the same ones; every other
+module reads the state and asks the Ledger to record what changes.
 
 Checked on the source, by an AST walk of every project module outside tests/, in two steps.
 
@@ -32,6 +33,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 OWNER = Path("daemon", "records", "state.py")
+# the Ledger; the rebuild from the event log; and the Ledger's state file, whose save stamps updated_unix_s
+WRITERS = (Path("daemon", "records", "ledger.py"), Path("daemon", "records", "state_rebuild.py"),
+           Path("daemon", "records", "state_file.py"))
 CLASS = "RunState"
 WHOLE = "whole"     # a function's result is a RunState (else: the index of one in the tuple it returns)
 MUTATORS = frozenset({"append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault",
@@ -327,17 +331,52 @@ class Analysis:
             if self.is_container(value, scope):
                 containers.add(target.id)
 
+    def mutating_methods(self) -> set[str]:
+        """RunState's methods that change it: they assign, augment or delete an attribute of `self` (or
+        below one), call a mutating method on one, or call another such method of `self` (a fixed point)."""
+        owner = next((m for m in self.modules if m.path == self.root / OWNER), None)
+        cls = owner and next((n for n in owner.tree.body if isinstance(n, ast.ClassDef) and n.name == CLASS), None)
+        methods = {n.name: n for n in (cls.body if cls else ()) if isinstance(n, ast.FunctionDef)}
+
+        def on_self(e: ast.AST) -> bool:
+            while isinstance(e, (ast.Attribute, ast.Subscript)):
+                e = e.value
+            return isinstance(e, ast.Name) and e.id == "self"
+
+        found: set[str] = set()
+        while True:
+            more = set(found)
+            for name, fn in methods.items():
+                for n in ast.walk(fn):
+                    targets = (n.targets if isinstance(n, (ast.Assign, ast.Delete))
+                               else [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else [])
+                    if any(isinstance(x, (ast.Attribute, ast.Subscript)) and on_self(x) for x in _flat(targets)):
+                        more.add(name)
+                    if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and on_self(n.func.value) and (
+                            n.func.attr in MUTATORS and isinstance(n.func.value, ast.Attribute)
+                            or isinstance(n.func.value, ast.Name) and n.func.attr in found):
+                        more.add(name)
+            if more == found:
+                return found
+            found = more
+
     # What changes one --------------------------------------------------------------------------------
     def violations(self) -> list[str]:
-        found = []
+        found, mutating = [], self.mutating_methods()
         for m in self.modules:
             if m.path == self.root / OWNER:
                 continue
+            writer = m.path in [self.root / w for w in WRITERS]
             for scope in m.scopes:
                 for n in _own_nodes(scope.node):
-                    if self._changes(n, scope):
+                    if self._changes(n, scope) or not writer and self._calls_mutator(n, scope, mutating):
                         found.append(f"{m.path.relative_to(self.root)}:{n.lineno}: {ast.unparse(n).splitlines()[0]}")
         return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
+
+    def _calls_mutator(self, n: ast.AST, scope: Func, mutating: set[str]) -> bool:
+        """`ledger.state.set_status(...)` outside the Ledger: a second writer."""
+        return isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in mutating \
+            and self.is_whole(n.func.value, scope)
 
     def _changes(self, n: ast.AST, scope: Func) -> bool:
         def below(e: ast.AST) -> bool:
@@ -458,6 +497,12 @@ class RunState:
 
     def set_status(self, status: str) -> None:
         self.status = status             # the owner may
+
+    def bump(self) -> None:
+        self.set_status("bumped")        # mutating through another method
+
+    def describe(self) -> str:
+        return f"{self.status} at {self.generation}"
 '''
 
 HEAD = "import dataclasses, json\nfrom dataclasses import replace\nfrom daemon.records.state import RunState\nfrom daemon.records import state as st\n"
@@ -498,6 +543,9 @@ HEAD = "import dataclasses, json\nfrom dataclasses import replace\nfrom daemon.r
     "class L:\n    @property\n    def run(self):\n        return RunState()\n\ndef f(l):\n    l.run.status = 'x'",
     "@dataclasses.dataclass\nclass Run:\n    run: RunState\n\ndef f(r):\n    r.run.incidents.clear()",
     "def f(ledger):\n    def inner():\n        ledger.state.status = 'x'",
+    "def f(ledger):\n    ledger.state.set_status('x')",                # a mutating method outside the Ledger
+    "def f(ledger):\n    s = ledger.state\n    s.bump()",                  # one that calls a mutating one
+    "def f(path):\n    RunState.load(path).set_status('x')",
     "def f(ledger):\n    s = ledger.state\n    def inner():\n        s.status = 'x'",
 ])
 def test_the_check_finds_each_way_of_changing_a_run_state(tmp_path, source):
@@ -506,7 +554,8 @@ def test_the_check_finds_each_way_of_changing_a_run_state(tmp_path, source):
 
 
 @pytest.mark.parametrize("source", [
-    "def f(ledger):\n    ledger.state.set_status('x')",
+    "def f(ledger):\n    ledger.state.describe()",                     # a method that only reads
+    "def f(ledger):\n    ledger.set_status('x')",                      # asking the Ledger
     "def f(ledger):\n    ledger.status = 'x'",
     "def f(ledger):\n    n = ledger.state.generation\n    n += 1",
     "def f(ledger):\n    label = ledger.state.status\n    label += ' (paused)'",
@@ -537,3 +586,15 @@ def _tree(root: Path, source: str) -> None:
     (root / OWNER).write_text(STATE)
     (root / "daemon" / "records" / "ledger.py").write_text(LEDGER)
     (root / "daemon" / "user.py").write_text(textwrap.dedent(source))
+
+
+def test_the_ledger_and_the_rebuild_may_call_the_mutating_methods(tmp_path):
+    _tree(tmp_path, HEAD + "def f(ledger):\n    ledger.state.describe()")
+    (tmp_path / "daemon" / "records" / "ledger.py").write_text(LEDGER + "\n    def set_status(self, s):\n"
+                                                                "        self.state.set_status(s)\n")
+    (tmp_path / "daemon" / "records" / "state_rebuild.py").write_text(
+        "from daemon.records.state import RunState\n\ndef fold(path):\n    s = RunState.load(path)\n    s.bump()\n"
+        "    return s\n")
+    analysis = Analysis(tmp_path)
+    assert analysis.mutating_methods() == {"set_status", "bump"}
+    assert analysis.violations() == []
