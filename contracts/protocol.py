@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from contracts import strict_json
+
 
 class ExitCode(enum.IntEnum):
     """Every exit status the project's processes use; systemd's unit lists the final ones."""
@@ -48,31 +50,17 @@ DELIVER_WAIT_S = 5.0
 DATAGRAM_RETRY_S = 0.005
 
 
-def _encode_float(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)  # 'nan', 'inf', '-inf'
-    if isinstance(value, list):
-        return [_encode_float(v) for v in value]
-    return value
-
-
-def _decode_float(value: Any) -> Any:
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, list):
-        return [_decode_float(v) for v in value]
-    return value
-
-
 class _Event:
-    """JSON encoding shared by every event record (non-finite floats travel as 'nan'/'inf')."""
+    """JSON encoding shared by every event record (non-finite floats travel as 'nan'/'inf': contracts.strict_json;
+    read back into the fields declared as floats)."""
 
     def to_json(self) -> str:
-        return json.dumps({k: _encode_float(v) for k, v in dataclasses.asdict(self).items()}, sort_keys=True)
+        return json.dumps(strict_json.encode(dataclasses.asdict(self)), sort_keys=True)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):
-        return cls(**{k: _decode_float(v) for k, v in data.items()})
+        numeric = {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
+        return cls(**{k: strict_json.decode(v) if k in numeric else v for k, v in data.items()})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

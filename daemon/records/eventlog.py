@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import sys
 import time
@@ -18,29 +17,9 @@ from typing import Any, TextIO
 
 import structlog
 
+from contracts import strict_json
+
 COMMON = ("ts", "level", "event", "run", "generation")
-
-
-def strict_json(value: Any) -> Any:
-    """Strict JSON: non-finite floats become 'nan'/'inf'/'-inf', at any depth (events.jsonl, state.json)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
-
-
-def non_finite_floats(value: Any) -> Any:
-    """The reverse of `strict_json`, for values known to hold numbers: 'nan'/'inf'/'-inf' become floats."""
-    if isinstance(value, str) and value in ("nan", "inf", "-inf"):
-        return float(value)
-    if isinstance(value, dict):
-        return {k: non_finite_floats(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [non_finite_floats(v) for v in value]
-    return value
 
 
 # syslog priorities: journald reads a "<N>" line prefix (SyslogLevelPrefix=, on by default), so
@@ -162,7 +141,7 @@ def _timestamp(_, __, event_dict: dict) -> dict:
 def _schema(_, method: str, event_dict: dict) -> dict:
     """The common fields first, in their order; the rest cleaned to strict JSON."""
     ordered = {k: event_dict.pop(k) for k in COMMON if k in event_dict}
-    ordered.update({k: strict_json(v) for k, v in event_dict.items()})
+    ordered.update({k: strict_json.encode(v) for k, v in event_dict.items()})
     return ordered
 
 

@@ -25,12 +25,12 @@ import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from contracts import strict_json
 from contracts.errors import DataError
 from contracts.protocol import DATA_FAULTS, RecoveryDirective, RerunDirective
 from daemon.judging.incidents import Incident, IncidentRecord, Rerun, Restart, Rollback
 from daemon.judging.policy import merge_recovery
 from daemon.judging.quarantine import as_device, key as quarantine_key
-from daemon.records.eventlog import non_finite_floats, strict_json
 from durable import fsync_path, write_atomically
 
 STATE_FILE = "state.json"
@@ -101,7 +101,7 @@ class RunState:
         incidents = []
         for i, record in enumerate(fields.get("incidents") or ()):
             try:
-                incidents.append(IncidentRecord.from_dict({**record, "evidence": non_finite_floats(
+                incidents.append(IncidentRecord.from_dict({**record, "evidence": strict_json.decode(
                     record.get("evidence") or {})}))
             except (KeyError, TypeError, ValueError) as e:
                 raise _Invalid(f"incidents[{i}] is not an incident record: {_reason(e)}") from None
@@ -111,9 +111,9 @@ class RunState:
         except (KeyError, TypeError, ValueError) as e:
             raise _Invalid(f"recovery is not a recovery directive: {_reason(e)}") from None
         if fields.get("rerun"):
-            fields["rerun"] = non_finite_floats(fields["rerun"])
-        fields["last_progress"] = non_finite_floats(fields.get("last_progress") or {})
-        fields["last_validation"] = non_finite_floats(fields.get("last_validation") or {})
+            fields["rerun"] = strict_json.decode(fields["rerun"])
+        fields["last_progress"] = strict_json.decode(fields.get("last_progress") or {})
+        fields["last_validation"] = strict_json.decode(fields.get("last_validation") or {})
         return cls(**fields)
 
     # How the run's state changes ----------------------------------------------------------------------
@@ -281,7 +281,7 @@ class RunState:
 
     def save(self, run_dir: Path) -> None:
         self.updated_unix_s = time.time()
-        write_atomically(run_dir / STATE_FILE, json.dumps(strict_json(self.to_dict()), indent=1, sort_keys=True,
+        write_atomically(run_dir / STATE_FILE, json.dumps(strict_json.encode(self.to_dict()), indent=1, sort_keys=True,
                                                           allow_nan=False))
 
 

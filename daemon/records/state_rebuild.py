@@ -22,9 +22,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from contracts import strict_json
 from daemon.judging.incidents import IncidentRecord
 from daemon.judging.triage import VERDICTS
-from daemon.records.eventlog import non_finite_floats, ts_unix_s
+from daemon.records.eventlog import ts_unix_s
 from daemon.records.state import RunState
 
 COUNTS = ("events", "incidents", "warnings", "rollbacks", "restarts", "unreadable")
@@ -47,7 +48,7 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
         name = e.get("event")
         if name in ("incident", "health_warning"):
             try:
-                record = IncidentRecord.from_dict({**e, "evidence": non_finite_floats(e.get("evidence") or {}),
+                record = IncidentRecord.from_dict({**e, "evidence": strict_json.decode(e.get("evidence") or {}),
                                                    "unix_s": _unix_s(e.get("ts"))})
             except (KeyError, TypeError, ValueError):
                 counts["unreadable"] += 1
@@ -80,10 +81,10 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
             state.take_control(name=e.get("name"), file=e.get("file"), unix_s=_unix_s(e.get("ts")),
                                reason=body.get("reason"))
         elif name == "progress":
-            state.note_progress(non_finite_floats({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
+            state.note_progress(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
                                                    "unix_s": _unix_s(e.get("ts"))}))
         elif name == "validation":
-            state.note_validation(non_finite_floats({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
+            state.note_validation(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
                                                      "unix_s": _unix_s(e.get("ts"))}))
     state.restore_restarts(restarts=max(counts["restarts"], restarts_total), without_progress=without_progress)
     return state, counts

@@ -83,3 +83,22 @@ def test_a_full_socket_queue_is_waited_for_and_a_missing_reader_is_not(tmp_path)
     started = time.monotonic()
     assert not send_datagram(sender, path, event, wait_s=600.0)         # no reader: not waited for
     assert time.monotonic() - started < 60
+
+
+def test_one_strict_json_for_events_the_log_and_the_state():
+    """Non-finite floats at any depth become strings (valid JSON); an event reads them back only into the fields
+    declared as floats, so a name that reads 'nan' (a drill's fault, a parameter) stays a string."""
+    import json
+    import math
+
+    from contracts import strict_json
+    from contracts.protocol import FingerprintEvent
+
+    nested = {"a": [1.0, float("nan")], "b": {"c": float("-inf")}, "d": "nan"}
+    text = json.dumps(strict_json.encode(nested), allow_nan=False)
+    back = strict_json.decode(json.loads(text))
+    assert math.isnan(back["a"][1]) and back["b"]["c"] == float("-inf")
+    fields = {f.name: f for f in __import__("dataclasses").fields(FingerprintEvent)}
+    event = FingerprintEvent.from_dict({**{k: 0 for k in fields}, "names": ["nan", "inf"], "groups": [1],
+                                        "seconds": "inf"})
+    assert event.names == ["nan", "inf"] and event.seconds == float("inf")
