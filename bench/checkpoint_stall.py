@@ -17,13 +17,14 @@ bench/results/checkpoint_stall.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -100,15 +101,12 @@ def main() -> None:
     print(f"steps/s, save every {args.interval_steps:<3}     {statistics.median(saving):8.3f}   "
           f"({len(waited)} saves waited for the previous one, {len(failed)} failed)")
     print(f"throughput loss             {loss:8.1%}   (target <= 5%: {'met' if loss <= 0.05 else 'NOT met'})")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "checkpoint_stall.json").write_text(json.dumps({
-        "benchmark": "checkpoint_stall", "config": "configs/small-20m.toml", "overrides": BATCH,
+    results_file.write("checkpoint_stall", {
+        "config": "configs/small-20m.toml", "overrides": BATCH,
         "state_bytes": state_bytes, "blocking_s": blocking, "synchronous_s": synchronous,
         "blocking_over_synchronous": block_ratio, "steps_per_s_plain": plain, "steps_per_s_saving": saving,
         "interval_steps": args.interval_steps, "throughput_loss": loss, "saves_waited": len(waited),
-        "targets": {"blocking_over_synchronous": 0.10, "throughput_loss": 0.05},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        "targets": {"blocking_over_synchronous": 0.10, "throughput_loss": 0.05}})
 
 
 if __name__ == "__main__":

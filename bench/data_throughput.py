@@ -11,13 +11,14 @@ writes bench/results/data_throughput.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -63,13 +64,10 @@ def main() -> None:
     print(f"training consumes   {train_tps:>12,.0f} tokens/s (tiny config, median of {args.train_steps} steps)")
     print(f"ratio               {ratio:>12.1f}x  (target >= {TARGET:.0f}x: {'met' if ratio >= TARGET else 'NOT met'})")
     print(f"step's data wait    median {statistics.median(waits) * 1e3:.2f} ms, max {max(waits) * 1e3:.2f} ms")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "data_throughput.json").write_text(json.dumps({
-        "benchmark": "data_throughput", "pipeline_tokens_per_s": pipeline_tps, "train_tokens_per_s": train_tps,
+    results_file.write("data_throughput", {
+        "pipeline_tokens_per_s": pipeline_tps, "train_tokens_per_s": train_tps,
         "ratio": ratio, "target_ratio": TARGET, "met": ratio >= TARGET,
-        "median_data_wait_s": statistics.median(waits), "max_data_wait_s": max(waits),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        "median_data_wait_s": statistics.median(waits), "max_data_wait_s": max(waits)})
 
 
 if __name__ == "__main__":

@@ -25,13 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {  # config, steps, warm-up steps left out of the median
@@ -102,11 +102,8 @@ def main() -> None:
         print(f"{name:<10} {t['one_core']:>16,.0f} {t['two_ranks']:>17,.0f} {r['ratio']:>6.2f} "
               f"{t['whole_machine']:>18,.0f} {r['ratio_to_whole_machine']:>6.2f}  "
               f"{r['final_loss']['one_core']:.6f} | {r['final_loss']['two_ranks']:.6f}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "dp_scaling", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "results": results, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out_dir / "dp_scaling.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"results": results}
+    results_file.write("dp_scaling", payload)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {"tiny": "configs/tiny.toml", "small-20m": "configs/small-20m.toml"}
@@ -70,12 +71,8 @@ def main() -> None:
               f"{r['median_step_s']:>8.4f} {r['tokens_per_s']:>10.0f} {r['step_tokens_per_s']:>10.0f}")
     ratio = results["tiny"]["tokens_per_s"] / results["small-20m"]["tokens_per_s"]
     print(f"tiny / small-20m tokens/s ratio: {ratio:.1f}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "engine_throughput", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "results": results, "tiny_over_small_tokens_per_s": ratio,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out_dir / "engine_throughput.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"results": results, "tiny_over_small_tokens_per_s": ratio}
+    results_file.write("engine_throughput", payload)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.005
@@ -79,11 +80,8 @@ def main() -> None:
           f"(medians)")
     print(f"  cost {100 * r['cost_median']:.3f}% of the step time (range {100 * lo:.3f}..{100 * hi:.3f}%; target <= "
           f"{100 * TARGET:.1f}%)")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "fingerprint_cost", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "target": TARGET, **r, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out_dir / "fingerprint_cost.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"target": TARGET, **r}
+    results_file.write("fingerprint_cost", payload)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file  # bench/results_file.py: the one writer of bench/results
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -159,10 +161,9 @@ def main() -> None:
             prepare([STDLIB], corpus, log=open(os.devnull, "w"))
             m = mix(corpus, Path(tmp), wall_s=args.mix_wall_s, seed=args.seed, bitflip_s=args.bitflip_s)
         _print_mix(m)
-        path = ROOT / "bench" / "results" / "goodput.json"
-        data = json.loads(path.read_text()) if path.exists() else {"benchmark": "goodput"}
-        data["mix"] = {**m, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        path.write_text(json.dumps(data, indent=2) + "\n")
+        data = results_file.read("goodput")
+        data["mix"] = {**m, "created": results_file.now()}
+        results_file.write("goodput", data)
         return
 
     rng, results = random.Random(args.seed), []
@@ -187,19 +188,14 @@ def main() -> None:
         print(f"{r['interval_s']:>10.0f}s {r['faulty']['wall_s']:>7.0f} {len(f):>6} {r['faulty']['final_step']:>7} "
               f"{r['clean']['final_step']:>7} {r['goodput']:>8.3f} {target:>7} "
               f"{statistics.median(rec) if rec else float('nan'):>11.2f} {statistics.median(lost) if lost else '-':>5}")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "goodput.json"
     # a run of some intervals replaces those and keeps the others' earlier results (each with its date)
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    kept = json.loads(path.read_text()).get("results", []) if path.exists() else []
+    now, before = results_file.now(), results_file.read("goodput")
     ran = {r["interval_s"] for r in results}
-    merged = sorted([r for r in kept if r["interval_s"] not in ran] + [{**r, "created": now} for r in results],
-                    key=lambda r: r["interval_s"])
-    mixed = json.loads(path.read_text()).get("mix") if path.exists() else None     # --mix's, kept
-    path.write_text(json.dumps({
-        "benchmark": "goodput", "config": "configs/tiny.toml (2 ranks)", "overrides": EXTRA, "results": merged,
-        "created": now, **({"mix": mixed} if mixed else {})}, indent=2) + "\n")
+    merged = sorted([r for r in before.get("results", []) if r["interval_s"] not in ran]
+                    + [{**r, "created": now} for r in results], key=lambda r: r["interval_s"])
+    mixed = before.get("mix")     # --mix's, kept
+    results_file.write("goodput", {"config": "configs/tiny.toml (2 ranks)", "overrides": EXTRA, "results": merged,
+                                   "created": now, **({"mix": mixed} if mixed else {})})
 
 
 if __name__ == "__main__":

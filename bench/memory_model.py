@@ -20,13 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,13 +104,9 @@ def main() -> None:
             "estimated": 1 - recomputed["estimated_activation_bytes"] / plain["estimated_activation_bytes"]}
         print(f"recompute saves, {precision}: measured {savings[precision]['measured']:.0%}, "
               f"estimated {savings[precision]['estimated']:.0%}")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "memory_model", "config": args.config,
-               "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "rows": rows, "recompute_savings": savings,
-               "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out_dir / "memory_model.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"config": args.config,
+               "rows": rows, "recompute_savings": savings}
+    results_file.write("memory_model", payload)
 
 
 if __name__ == "__main__":

@@ -39,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file  # bench/results_file.py: the one writer of bench/results
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -214,13 +216,10 @@ def main() -> None:
     for c, by in summary.items():
         print(f"{c:11s} " + "   ".join(f"{k}: {v['median_s']:.2f} s ({v['min_s']:.2f}–{v['max_s']:.2f})"
                                        for k, v in by.items()))
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "multinode_recovery.json").write_text(json.dumps({
-        "benchmark": "multinode_recovery", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "cpus": len(os.sched_getaffinity(0)), "lease_ttl_s": LEASE_S, "rounds": args.rounds, "cases": summary},
-        indent=2))
-    print(f"wrote {out / 'multinode_recovery.json'}")
+    path = results_file.write("multinode_recovery", {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "cpus": len(os.sched_getaffinity(0)), "lease_ttl_s": LEASE_S, "rounds": args.rounds, "cases": summary})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

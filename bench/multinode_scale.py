@@ -32,14 +32,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -166,13 +166,10 @@ def main() -> None:
               f"{r['rank_crash']['first_step_s']['p99']:.2f} s; decider's lease expired → elected "
               f"{r['decider_killed']['elected_s']:.2f} s, → first step {r['decider_killed']['first_step_s']['p50']:.2f}/"
               f"{r['decider_killed']['first_step_s']['p99']:.2f} s", flush=True)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "multinode_scale.json").write_text(json.dumps({
-        "benchmark": "multinode_scale", "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "machine": {"cpus": len(os.sched_getaffinity(0)), "python": platform.python_version()},
-        "ranks_per_machine": PER_MACHINE, "lease_ttl_s": LEASE_S, "window_s": WINDOW_S, "sizes": rows}, indent=2))
-    print(f"wrote {out / 'multinode_scale.json'}")
+    path = results_file.write("multinode_scale", {
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "ranks_per_machine": PER_MACHINE, "lease_ttl_s": LEASE_S, "window_s": WINDOW_S, "sizes": rows})
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

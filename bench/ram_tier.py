@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -153,10 +154,8 @@ def main() -> None:
     met = block_loss <= TARGET_LOSS
     print(f"target <= {TARGET_LOSS:.0%} at one RAM checkpoint per {interval} steps: {'met' if met else 'NOT met'} "
           f"by the throughput ({block_loss:.1%}; {block_loss + 2 * block_se:.1%} at two standard errors)")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ram_tier.json").write_text(json.dumps({
-        "benchmark": "ram_tier", "config": "configs/tiny.toml", "state_bytes": state_bytes,
+    results_file.write("ram_tier", {
+        "config": "configs/tiny.toml", "state_bytes": state_bytes,
         "interval_steps": interval, "cycles": args.cycles, "step_s": baseline, "blocking_s_median": blocked,
         "excess_s_by_position": excess, "cost_s_per_save": cost, "throughput_loss": loss,
         "writer_cpu_s_per_save": writer_cpu_per_save, "target_throughput_loss": TARGET_LOSS,
@@ -164,8 +163,7 @@ def main() -> None:
         "block_s_mean": {kind: statistics.fmean(t) for kind, t in times.items()},
         "block_throughput_loss": block_loss, "block_throughput_loss_se": block_se,
         "control_throughput_loss": control_loss, "control_throughput_loss_se": control_se, "target_met": met,
-        "committed": committed, "failed": failed,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        "committed": committed, "failed": failed})
 
 
 def _loss(blocks: list[float], baseline: list[float]) -> tuple[float, float]:

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import results_file  # bench/results_file.py: the one writer of bench/results
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -217,14 +219,11 @@ def main() -> None:
           f"target ≤ {TARGET_DAEMON_S:.0f} s: {'met' if daemon_s <= TARGET_DAEMON_S else 'NOT met'}")
     print(f"hang detected {hang['detection_s']:.2f} s after injection (no progress for {hang['waited_s']} s; "
           f"timeout {hang['timeout_s']} s)")
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recovery.json").write_text(json.dumps({
-        "benchmark": "recovery", "crash": summary, "crash_runs": results, "daemon_restart_s": daemon_s,
+    results_file.write("recovery", {
+        "crash": summary, "crash_runs": results, "daemon_restart_s": daemon_s,
         "daemon_restart_range_s": daemon_range, "daemon_restart_mindspore_cluster_s": cluster_s,
         "daemon_restart_mindspore_cluster_range_s": cluster_range, "repeats": args.repeats,
-        "daemon_runs": daemon, "hang": hang, "targets_s": {"crash": TARGET_CRASH_S, "daemon": TARGET_DAEMON_S},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, indent=2) + "\n")
+        "daemon_runs": daemon, "hang": hang, "targets_s": {"crash": TARGET_CRASH_S, "daemon": TARGET_DAEMON_S}})
 
 
 if __name__ == "__main__":

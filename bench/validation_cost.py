@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGET = 0.02
@@ -93,11 +94,8 @@ def main() -> None:
           f"{100 * TARGET:.0f}%); an evaluation {r['eval_s_median']:.3f} s, the first (compiling) {r['first_eval_s']:.2f} s")
     print(f"  A/B: {100 * r['ab_cost_median']:.2f}% (per round: "
           f"{', '.join(f'{100 * c:.1f}' for c in r['ab_cost_per_round'])}%; within the machine's noise)")
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "validation_cost", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "target": TARGET, **r, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out_dir / "validation_cost.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"target": TARGET, **r}
+    results_file.write("validation_cost", payload)
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import results_file  # bench/results_file.py: the one writer of bench/results
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES = {  # config, warm-up steps, timed steps, rounds by default
@@ -216,11 +217,8 @@ def main() -> None:
             summary[impl]["rounds"] = len(rs)
         results[name] = {"config": config, "recompute": recompute, "summary": summary, "runs": runs}
     _print(results)
-    out_dir = ROOT / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "vs_pytorch", "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
-               "results": results, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out_dir / "vs_pytorch.json").write_text(json.dumps(payload, indent=2) + "\n")
+    payload = {"results": results}
+    results_file.write("vs_pytorch", payload)
 
 
 def _print(results: dict) -> None:
