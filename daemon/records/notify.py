@@ -27,10 +27,6 @@ class Notifier:
         self._last_ping = 0.0
         self._last_status = ""
 
-    @property
-    def enabled(self) -> bool:
-        return self._sock is not None
-
     def send(self, *fields: str) -> bool:
         if self._sock is None:
             return False

@@ -46,7 +46,3 @@ class StartupClock:
         now = time.monotonic()
         self.stages[stage] = round(now - self._last, 3)
         self._last = now
-
-    @property
-    def total_s(self) -> float:
-        return round(sum(self.stages.values()), 3)
