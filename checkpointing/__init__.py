@@ -2,7 +2,7 @@
 
 Modules: layout (names and paths), partition (which rank writes what),
 writer (background shard writing and the commit), reader (verify, load,
-quarantine, fall back), retention (what to delete). Imports neither `daemon`
+set a corrupt one aside, fall back), retention (what to delete). Imports neither `daemon`
 nor `engine`: the engine adapts its state to named arrays and a JSON dict.
 No pickle anywhere: tensors in safetensors, everything else JSON.
 """

@@ -1,4 +1,4 @@
-"""Finding, verifying and loading committed checkpoints; quarantining the ones that fail.
+"""Finding, verifying and loading committed checkpoints; setting aside (as step-N.corrupt) the ones that fail.
 
 A checkpoint is trusted only after verification: the manifest parses, every
 shard exists with the recorded size and checksum (sha256; CRC32C in the RAM
@@ -103,7 +103,7 @@ def load_tensors(path: Path, manifest: dict[str, Any] | None = None, *,
     return out
 
 
-def quarantine(path: Path) -> Path | None:
+def set_aside(path: Path) -> Path | None:
     """Renames a failed checkpoint out of the way; None if another process already did."""
     target = path.with_name(f"{path.name}.corrupt")
     n = 1
@@ -120,13 +120,13 @@ def quarantine(path: Path) -> Path | None:
 
 def find_latest(root: Path, *, before_step: int | None = None, after_step: int | None = None,
                 accept: Callable[[dict[str, Any]], bool] | None = None,
-                on_quarantine: Callable[[Path, list[str]], None] | None = None,
-                quarantine_failed: bool = True) -> tuple[Path, dict[str, Any]] | None:
+                on_corrupt: Callable[[Path, list[str]], None] | None = None,
+                set_aside_failed: bool = True) -> tuple[Path, dict[str, Any]] | None:
     """The newest committed checkpoint (below `before_step`, above `after_step` if given) that verifies
     and whose manifest `accept` takes (if given).
 
-    Ones that fail are quarantined (if `quarantine_failed`) and reported through
-    `on_quarantine`; the search goes on with the next older one.
+    Ones that fail are set aside as step-N.corrupt (if `set_aside_failed`) and reported through
+    `on_corrupt`; the search goes on with the next older one.
     """
     for step in reversed(layout.committed_steps(root)):
         if before_step is not None and step >= before_step:
@@ -140,19 +140,19 @@ def find_latest(root: Path, *, before_step: int | None = None, after_step: int |
             if accept is None or accept(manifest):
                 return path, manifest
             continue
-        if quarantine_failed and quarantine(path) is not None and on_quarantine is not None:
-            on_quarantine(path, problems)
+        if set_aside_failed and set_aside(path) is not None and on_corrupt is not None:
+            on_corrupt(path, problems)
     return None
 
 
 def find_newest(disk: Path, memory: Path | None, *, accept: Callable[[dict[str, Any]], bool] | None = None,
-                on_quarantine: Callable[[Path, list[str]], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+                on_corrupt: Callable[[Path, list[str]], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from: the RAM tier's newest (`memory`, a root of the same layout) when
     it is newer than every committed disk checkpoint, verifies, and `accept`s its manifest (the
     caller's check: same config, same layout); else the newest verified one on disk. A torn RAM copy
-    is never committed, a corrupt one fails verification (and is quarantined), a wiped RAM tier (a
+    is never committed, a corrupt one fails verification (and is set aside), a wiped RAM tier (a
     reboot) is empty: either way the disk's answer stands."""
     on_disk = layout.committed_steps(disk)
     found = find_latest(memory, after_step=on_disk[-1] if on_disk else None, accept=accept,
-                        on_quarantine=on_quarantine) if memory is not None else None
-    return found or find_latest(disk, on_quarantine=on_quarantine)
+                        on_corrupt=on_corrupt) if memory is not None else None
+    return found or find_latest(disk, on_corrupt=on_corrupt)

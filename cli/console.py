@@ -117,7 +117,7 @@ class WorkerLines:
             stage, step = r.get("stage"), r.get("step")
             if stage in ("staged", "written"):
                 return None
-            level = "error" if stage in ("failed", "quarantined") else "info"
+            level = "error" if stage in ("failed", "corrupt") else "info"
             seconds = f" in {r['seconds']:.1f} s" if r.get("seconds") else ""
             detail = f": {_value(r['detail'])}" if r.get("detail") else ""
             return level, f"checkpoint step {step} {stage}{seconds}{detail}"

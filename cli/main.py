@@ -434,7 +434,7 @@ def _resolve_checkpoint(text: str):
     path = Path(text)
     if (path / layout.MANIFEST).exists():
         return path
-    found = reader.find_latest(resolve_run_dir(text) / "checkpoints", quarantine_failed=False)
+    found = reader.find_latest(resolve_run_dir(text) / "checkpoints", set_aside_failed=False)
     if found is None:
         raise RunNotFoundError(f"{text}: no committed checkpoint to export")
     return found[0]

@@ -123,14 +123,15 @@ class ExitEvent(_Event):
 class CheckpointEvent(_Event):
     """A checkpoint's progress: staged (host copy done; the step resumes), written (this rank's shard
     is durable), committed (the checkpoint exists), restored, waited (a save had to wait for the
-    previous one), exists, retired (old ones deleted), quarantined, failed."""
+    previous one), exists, retired (old ones deleted), corrupt (failed verification: set aside as
+    step-N.corrupt), failed."""
 
     rank: int
     generation: int
     step: int
     stage: str
     seconds: float = 0.0
-    detail: str = ""          # error text, quarantine reasons, deleted steps
+    detail: str = ""          # error text, why a checkpoint is corrupt, deleted steps
     kind: str = "checkpoint"
 
 

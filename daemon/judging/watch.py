@@ -452,7 +452,7 @@ class Watch:
         elif ev.stage == "in_memory_failed":
             self._do(Note("checkpoint_in_memory_failed", "warning", {"rank": ev.rank, "step": ev.step,
                                                                      "detail": ev.detail}))
-        if ev.stage in ("failed", "quarantined"):
+        if ev.stage in ("failed", "corrupt"):
             self._do(Note(f"checkpoint_{ev.stage}", "error", {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
 
     def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,

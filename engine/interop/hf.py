@@ -243,13 +243,13 @@ def _rename_into_place(tmp: Path, out: Path, overwrite: bool) -> None:
             old.unlink(missing_ok=True)
 
 
-_QUARANTINED = re.compile(r"^step-(\d{8,})\.corrupt(?:-\d+)?$")
+_SET_ASIDE = re.compile(r"^step-(\d{8,})\.corrupt(?:-\d+)?$")
 
 
 def passed_over(chosen: Path) -> str | None:
     """Why a run's newest checkpoint is not `chosen` (the newest that verifies, as reader.find_latest
     picked it), naming both steps; None when `chosen` is the newest. Newer committed steps failed
-    verification (re-verified here for the reason); `step-N.corrupt` ones were quarantined."""
+    verification (re-verified here for the reason); `step-N.corrupt` ones were set aside."""
     step = layout.parse_step(chosen.name)
     if step is None or not chosen.parent.is_dir():
         return None
@@ -260,9 +260,9 @@ def passed_over(chosen: Path) -> str | None:
             problems = reader.verify(path)
             if problems:                    # one that verifies was committed after the choice: no fallback
                 newer.append((other, f"failed verification ({problems[0]})"))
-        quarantined = _QUARANTINED.match(path.name)
-        if quarantined and int(quarantined.group(1)) > step:
-            newer.append((int(quarantined.group(1)), f"was quarantined as {path.name}"))
+        set_aside = _SET_ASIDE.match(path.name)
+        if set_aside and int(set_aside.group(1)) > step:
+            newer.append((int(set_aside.group(1)), f"was set aside as {path.name}"))
     if not newer:
         return None
     newest, why = max(newer)

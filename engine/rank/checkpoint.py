@@ -234,11 +234,11 @@ class TrainerCheckpoints:
             if self.memory_root is not None:
                 layout.remove_temporaries(self.memory_root)
 
-        def quarantined(path: Path, problems: list[str]) -> None:
-            self._emit("quarantined", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
+        def corrupt(path: Path, problems: list[str]) -> None:
+            self._emit("corrupt", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
 
         started = time.monotonic()
-        found = reader.find_newest(self.root, self.memory_root, on_quarantine=quarantined, accept=lambda m: (
+        found = reader.find_newest(self.root, self.memory_root, on_corrupt=corrupt, accept=lambda m: (
             m["run_state"].get("config_hash") == config_hash(self.cfg)
             and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))
         if found is None:

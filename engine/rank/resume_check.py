@@ -27,7 +27,7 @@ def newest_run_state(ckpt_root: Path) -> tuple[Path, dict[str, Any]] | None:
     for step in reversed(layout.committed_steps(ckpt_root)):
         path = layout.step_dir(ckpt_root, step)
         if reader.looks_complete(path):
-            continue                     # the ranks will quarantine it and load an older one
+            continue                     # the ranks will set it aside and load an older one
         try:
             return path, reader.read_manifest(path)["run_state"]
         except (CheckpointError, KeyError):

@@ -1,4 +1,4 @@
-"""Checkpoint files as the engine and an operator meet them: commit, verify, quarantine, crashes."""
+"""Checkpoint files as the engine and an operator meet them: commit, verify, set a corrupt one aside, crashes."""
 import json
 import os
 import random
@@ -56,7 +56,7 @@ def test_retention_after_commit_keeps_the_last_n(tmp_path):
     assert layout.committed_steps(tmp_path) == [3, 4]
 
 
-def test_flipped_byte_is_quarantined_and_the_previous_loads(tmp_path):
+def test_flipped_byte_is_set_aside_and_the_previous_loads(tmp_path):
     _save(tmp_path, 1)
     _save(tmp_path, 2)
     shard = tmp_path / "step-00000002" / "shard-00001-of-00002.safetensors"
@@ -65,7 +65,7 @@ def test_flipped_byte_is_quarantined_and_the_previous_loads(tmp_path):
     shard.write_bytes(bytes(data))
     assert any("sha256" in p for p in reader.verify(tmp_path / "step-00000002"))
     seen = []
-    path, manifest = reader.find_latest(tmp_path, on_quarantine=lambda p, problems: seen.append(problems))
+    path, manifest = reader.find_latest(tmp_path, on_corrupt=lambda p, problems: seen.append(problems))
     assert manifest["step"] == 1 and seen and "sha256" in seen[0][0]
     assert (tmp_path / "step-00000002.corrupt").is_dir() and layout.committed_steps(tmp_path) == [1]
     assert reader.load_tensors(path)["w1"][0, 0] == 1
@@ -131,7 +131,7 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
         committed = layout.committed_steps(root)
         for step in committed:                          # everything visible is whole ...
             assert reader.verify(layout.step_dir(root, step)) == [], (trial, step)
-        path, manifest = reader.find_latest(root, quarantine_failed=False)
+        path, manifest = reader.find_latest(root, set_aside_failed=False)
         tensors = reader.load_tensors(path, manifest)   # ... and exactly one step's state
         assert set(tensors) == set(SHAPES)
         assert all(np.all(t == manifest["step"]) for t in tensors.values())
@@ -256,9 +256,9 @@ def test_the_ram_tier_is_resumed_from_only_when_newer_than_the_disk_and_whole(tm
     assert newest() == 15
     # corrupt: fails its checksum, is set aside, and the disk's newest stands
     _corrupt(ram / "step-00000015" / "shard-00001-of-00002.safetensors")
-    quarantined = []
-    assert newest(on_quarantine=lambda path, problems: quarantined.append((path.name, problems))) == 10
-    assert quarantined == [("step-00000015", ["shard-00001-of-00002.safetensors: crc32c mismatch (corrupt)"])]
+    set_aside = []
+    assert newest(on_corrupt=lambda path, problems: set_aside.append((path.name, problems))) == 10
+    assert set_aside == [("step-00000015", ["shard-00001-of-00002.safetensors: crc32c mismatch (corrupt)"])]
     assert (ram / "step-00000015.corrupt").is_dir()
     # older than the disk's newest: not used
     _save(ram, 8, **RAM_TIER)

@@ -50,12 +50,12 @@ def test_a_corrupt_newest_checkpoint_warns_naming_both_steps_and_exports_the_old
     warnings = [line for line in _messages(done.stderr) if "warning" in line]
     assert len(warnings) == 1 and "step 8, failed verification" in warnings[0], done.stderr
     assert "exported step 4 instead" in warnings[0]
-    assert "step-00000004" in done.stdout and newest.is_dir()              # exported the older; quarantined nothing
+    assert "step-00000004" in done.stdout and newest.is_dir()              # exported the older; set nothing aside
 
-    newest.rename(newest.with_name("step-00000008.corrupt"))                # as the daemon quarantines one
+    newest.rename(newest.with_name("step-00000008.corrupt"))                # as the ranks set a corrupt one aside
     done = _export(cli, quiet_env, run, "--format", "mindformers", "-o", tmp_path / "mf")
     assert done.returncode == 0, done.stderr
-    assert _messages(done.stderr) == ["llm-pretrain: warning: the newest checkpoint, step 8, was quarantined as "
+    assert _messages(done.stderr) == ["llm-pretrain: warning: the newest checkpoint, step 8, was set aside as "
                                       "step-00000008.corrupt; exported step 4 instead"], done.stderr
 
     explicit = _export(cli, quiet_env, run / "checkpoints" / "step-00000004", "--format", "hf", "-o", tmp_path / "x")

@@ -330,7 +330,7 @@ def test_a_worker_config_error_is_passed_on_not_retried(tmp_path):
 
 def test_the_resume_step_reported_is_one_the_ranks_can_load(tmp_path):
     """A committed directory whose manifest is gone is not named as the resume point (the ranks would
-    quarantine it and load the one before)."""
+    set it aside and load the one before)."""
     run = tmp_path / "run"
     code, _, err = _finish(_start(run, fake=["--steps", "20", "--interval", "5"]))
     assert code == 0, err

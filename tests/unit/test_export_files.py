@@ -184,5 +184,5 @@ def test_passed_over_names_the_newest_failed_or_quarantined_step_and_the_exporte
     assert note.startswith("the newest checkpoint, step 8, failed verification (shard-00000-of-00001.safetensors: "
                            "100 bytes, manifest says") and note.endswith("; exported step 4 instead")
     newest.rename(root / "step-00000008.corrupt")
-    assert hf.passed_over(older) == ("the newest checkpoint, step 8, was quarantined as step-00000008.corrupt; "
+    assert hf.passed_over(older) == ("the newest checkpoint, step 8, was set aside as step-00000008.corrupt; "
                                      "exported step 4 instead")
