@@ -57,13 +57,13 @@ class ShardedStep(StepState):
             self.network = net
         self.reducer = (GradReducer(self.params, opt_shard=cfg.parallel.optimizer_shard)
                         if self.micro > 1 else None)
-        # The gradients of the network's only output, the loss, with the loss scale as its sensitivity
-        # (MindFormers' and MindSpore's TrainOneStep pattern): the parallel pass finds that loss and inserts
-        # the divisor (_VirtualDiv) of the devices that hold it, so the mirror operators' sums are the mean's
-        # gradient. value_and_grad(..., has_aux=True) returned a tuple: no loss found, no divisor, every
-        # gradient summed over the stage's devices (issue 47).
-        self.grad = ops.GradOperation(get_by_list=True, sens_param=True)
+        # The gradients of a network whose only output is the scaled loss: the parallel pass finds that
+        # loss and inserts the divisor (_VirtualDiv) of the devices that hold it, so the mirror operators'
+        # sums are the mean's gradient. value_and_grad(..., has_aux=True) over (scaled loss, loss) returned
+        # a tuple: no loss found, no divisor, every gradient summed over the stage's devices (issue 47).
+        # A poisoned step (a NaN drill) reports a NaN loss: the loss is the scaled one divided back.
         self.loss_of = _NextTokenLoss(self.network)
+        self.grad = ms.value_and_grad(_ScaledLoss(self.loss_of), None, self.params)
         # the squares of the gradients this rank's stage trains (all of them without a pipeline)
         stages = {id(p): s for name, cell in net.cells_and_names() if name in parallel.cell_stages(cfg)
                   for s in [parallel.cell_stages(cfg)[name]] for p in cell.get_parameters()}
@@ -73,10 +73,12 @@ class ShardedStep(StepState):
         self.world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
 
     def gradients(self, tokens, sens):
-        """(the loss, the gradients of the loss times `sens`): the form the compiler recognises."""
-        loss = self.loss_of(tokens)
-        grads = self.grad(self.loss_of, self.params)(tokens, ops.ones_like(loss) * sens.astype(loss.dtype))
-        return loss, grads
+        """(the loss, the gradients of the loss times `sens`), from one forward pass whose only output is the
+        scaled loss: the form the parallel pass recognises (it divides that output by the devices holding it).
+        A separate forward for the loss (TrainOneStepCell's form) makes a cycle with GradAccumulation's
+        lazily inlined micro-steps ("Graph cycle exists", seen in the dry run)."""
+        scaled, grads = self.grad(tokens, sens)
+        return scaled / sens, grads
 
     def construct(self, tokens, lr, poison):
         loss, grads = self.gradients(tokens, self.scaler.scale * poison)
@@ -143,6 +145,17 @@ class _NextTokenLoss(nn.Cell):
         return self.network(tokens[:, :-1], tokens[:, 1:])
 
 
+class _ScaledLoss(nn.Cell):
+    """The loss times the loss scale: the one output the gradients are taken of."""
+
+    def __init__(self, loss_of: nn.Cell):
+        super().__init__(auto_prefix=False)
+        self.loss_of = loss_of
+
+    def construct(self, tokens, multiplier):
+        return self.loss_of(tokens) * multiplier
+
+
 def wrap(step: ShardedStep, parallelism: parallel.Parallelism, strategy_file: str):
     """The step inside AutoParallel, configured by the decided Parallelism (engine.layout.parallel)."""
     from mindspore.parallel.auto_parallel import AutoParallel
@@ -172,6 +185,9 @@ class ShardedTrainStep:
         strategy = run_dir / "strategy" / f"rank_{rank}.ckpt"
         strategy.parent.mkdir(parents=True, exist_ok=True)
         self.compiled = wrap(self.cell, parallelism, str(strategy))
+        # compiled as a training graph (phase "train"): MindSpore refuses accumulation in a "predict" one
+        # ("Current not support predict with grad_accu", seen in the dry run)
+        self.compiled.set_train(True)
         p = cfg.parallel
         self.last_stage = parallel.coordinates(rank, cfg).stage == p.pp - 1
         self.loss_share = 1.0 / (p.dp * p.tp)        # every last-stage rank holds the same loss

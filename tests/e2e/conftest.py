@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,3 +47,22 @@ def snapshot(trainer) -> dict[str, np.ndarray]:
     """Every parameter and every optimizer/scaler state tensor, copied to host."""
     cells = list(trainer.net.trainable_params()) + list(trainer.step_fn.state())
     return {p.name: p.asnumpy().copy() for p in cells}
+
+
+@pytest.fixture(scope="session")
+def ascend_standins() -> dict[str, str]:
+    """The environment of a process that runs MindSpore's Ascend dry run against stand-in CANN libraries
+    (tests/ascend/standins.py: built once per MindSpore version into the cache, ~15 s). Skips where they
+    cannot be built (no gcc/binutils, or a wheel without the Ascend plugin); under CI a missing tool fails."""
+    from tests.ascend import standins
+
+    try:
+        root = standins.build()
+    except standins.Unavailable as e:
+        if os.environ.get("CI") and standins.missing_tools():
+            pytest.fail(f"Ascend stand-ins: {e}")
+        pytest.skip(f"Ascend stand-ins: {e}")
+    env = standins.environment(root)
+    env["PYTHONPATH"] = ":".join([env["PYTHONPATH"], str(Path(__file__).resolve().parents[2])])
+    env["GLOG_v"] = "2"
+    return env

@@ -129,3 +129,99 @@ def problems(nodes: list[Node], devices: int, tp: int) -> list[str]:
             elif math.prod(split) > devices:
                 out.append(f"{n.where()}: strategy {split} needs {math.prod(split)} devices, the stage has {devices}")
     return out
+
+
+# ---- the partitioned graph (issue 47): MindSpore's dry run, after the parallel pass ----------------------
+# `plan --dry-run`'s compile of one rank (engine.layout.dry_run.simulate with ir_dir) saves the graph after
+# the parallel pass, `step_parallel_end_*.ir`: each parameter as this rank holds it (its slice), the
+# gradients' reductions the compiler inserted (collectives carrying `mirror_user_id: "<parameter>"`), and
+# the loss's divisor (`_VirtualDiv`, inserted only where the pass found the loss).
+_PARAM = re.compile(r"^%para\d+_(?P<name>[^:]+): <Ref\[Tensor\[\w+\]\], \((?P<shape>[\d, ]*)\)")
+_COMM = re.compile(r"= (?P<op>_Mirror\w*|_MicroStep\w*|AllReduce|ReduceScatter|AllGather)\(")
+_GROUP = re.compile(r'\bgroup: "(?P<group>[^"]+)"')
+_MIRROR_USER = re.compile(r'mirror_user_id: "(?P<param>[^"]+)"')
+_DIVISOR = re.compile(r"= _VirtualDiv\(.*\bdivisor: I64\((?P<d>\d+)\)")
+WORLD_GROUPS = {"hccl_world_group", "nccl_world_group", "mccl_world_group"}
+
+
+@dataclasses.dataclass
+class Partitioned:
+    params: dict[str, tuple[int, ...]]           # every parameter, shaped as this rank holds it
+    divisors: list[int]                          # the loss divisors (_VirtualDiv) the pass inserted
+    reductions: dict[str, list[tuple[str, int]]]  # parameter -> (collective, its group's size) per gradient reduction
+
+    def gradient_factor(self, stage_devices: int) -> float:
+        """The update's gradient over the global mean's, as the compiler reduces it: every device of the stage
+        holds the whole loss (it is replicated) and back-propagates it, the mirrors sum the replicas'
+        gradients, so the sum is stage_devices times the mean's unless the loss is divided by them.
+        The pass divides each tensor input of the loss node by the same divisor (the step's loss node is the
+        loss times the loss scale: two _VirtualDivs, one on the path to the parameters)."""
+        if len(set(self.divisors)) > 1:
+            raise ValueError(f"loss divisors {self.divisors} differ: which one reaches the parameters?")
+        return stage_devices / (self.divisors[0] if self.divisors else 1)
+
+
+def partitioned_ir(folder: Path) -> Path:
+    found = sorted(folder.rglob("step_parallel_end_*.ir"))
+    if not found:
+        raise FileNotFoundError(f"no step_parallel_end_*.ir under {folder}: MindSpore's IR dump names have changed")
+    return found[-1]
+
+
+def group_size(group: str, devices: int) -> int:
+    """A group's size from its name: MindSpore names a group it creates "<size>-<hash>"; the world is `devices`."""
+    if group in WORLD_GROUPS:
+        return devices
+    head = group.split("-", 1)[0]
+    if not head.isdigit():
+        raise ValueError(f"group {group!r}: not MindSpore's <size>-<hash> name")
+    return int(head)
+
+
+def read_partitioned(ir: Path, devices: int) -> Partitioned:
+    params, divisors, reductions = {}, [], {}
+    for line in ir.read_text().splitlines():
+        if m := _PARAM.match(line):
+            params[m["name"]] = _shape(m["shape"])
+        elif m := _DIVISOR.search(line):
+            divisors.append(int(m["d"]))
+        elif (c := _COMM.search(line)) and (u := _MIRROR_USER.search(line)) and (g := _GROUP.search(line)):
+            reductions.setdefault(u["param"], []).append((c["op"], group_size(g["group"], devices)))
+    return Partitioned(params, divisors, reductions)
+
+
+def partition_problems(part: Partitioned, whole: dict[str, tuple[int, ...]], splits: dict[str, tuple[int, ...]],
+                       stage_devices: int, optimizer_shard_dp: int = 1) -> list[str]:
+    """What the partitioned graph gets wrong for the trainable parameters `whole` (name -> full shape):
+    - the loss's divisor: missing, or not the stage's devices (the gradient factor is not 1);
+    - a parameter's slice unlike its layout's strategy `splits` (name -> splits per dimension; whole if not
+      named), allowing the optimizer shard's further split of dimension 0 by dp;
+    - a gradient with no reduction, or reduced over a group other than its slice's replicas (a device
+      count over its slices)."""
+    out = []
+    factor = part.gradient_factor(stage_devices)
+    if not part.divisors:
+        out.append(f"no loss divisor (_VirtualDiv): the pass did not find the loss; every gradient is summed over "
+                   f"the stage's {stage_devices} devices (factor {factor:g})")
+    elif factor != 1:
+        out.append(f"loss divisor {part.divisors} on {stage_devices} devices: gradient factor {factor:g}")
+    for name, shape in whole.items():
+        if name not in part.params:
+            out.append(f"{name}: not a parameter of the partitioned graph")
+            continue
+        got = part.params[name]
+        split = splits.get(name)          # None: not one the layout names (a bias): its slice as the IR has it
+        if split is None:
+            split = tuple(d // max(g, 1) for d, g in zip(shape, got))
+        want = tuple(d // s for d, s in zip(shape, split))
+        sharded = (want[0] // optimizer_shard_dp,) + want[1:] if want and optimizer_shard_dp > 1 else want
+        if got not in (want, sharded):
+            out.append(f"{name}: slice {got}, the layout's strategy {split} of {shape} gives {want}")
+        slices = math.prod(split)
+        replicas = stage_devices // slices
+        groups = [size for _, size in part.reductions.get(name, [])]
+        if replicas > 1 and not groups:
+            out.append(f"{name}: its gradient is not reduced (held by {replicas} devices)")
+        elif replicas > 1 and replicas not in groups and max(groups) != replicas:
+            out.append(f"{name}: gradient reduced over {groups} devices, its slice has {replicas} replicas")
+    return out
