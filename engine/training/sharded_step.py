@@ -13,17 +13,20 @@ here all-reduces gradients by hand. Within it:
   x grad_accum_steps), both summing the micro-batches' losses and filling the
   `GradReducer`'s accumulators (engine/training/grad_reducer.py), so loss and gradients are divided by the
   micro-batch count here;
-- the global gradient norm is the sum of each gradient's square-sum marked
-  with `grad_scale` (MindFormers' ClipGradNorm pattern): the compiler divides
-  each by its replica count and all-reduces within and across stages, so it
-  is the norm of the whole gradient, not of a shard. Finiteness is read off
-  that norm (one non-finite element makes it non-finite), which every rank
-  shares; a per-rank check would let stages disagree on skipping;
+- the gradients are value_and_grad's of a network whose only output is the scaled loss, so the parallel
+  pass finds the loss and divides it by the devices holding it (_VirtualDiv): the mirrors' sums are then
+  the mean's gradient (issue 47: with the loss an auxiliary output it found none, factor dp x tp);
+- the global gradient norm is the sum of `grad_scale`-marked square sums (MindFormers' ClipGradNorm
+  pattern), which the compiler divides by each parameter's replicas and all-reduces within and across
+  stages; the non-finite flag is all-reduced over the world, so every rank skips or none does;
+- a skipped step is branch-free (AdamW with lr 0 and betas 1): the Ascend kernel-by-kernel backend
+  refuses a data-dependent branch;
 - the loss exists only on the last pipeline stage (others return zero); it and
   the control vector are agreed by one small all-reduce after the step.
 
-Nothing here compiles on CPU (MindSpore refuses semi-auto parallel there): it
-is built, not run, by the tests; see the README's Ascend section.
+Nothing here compiles on the CPU backend (MindSpore refuses semi-auto parallel there): the tests build it,
+and compile it in MindSpore's dry run against stand-in CANN libraries (tests/e2e/test_dry_run_ir.py);
+see docs/ascend.md.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ from engine.training.step_state import StepResult, StepState
 
 
 class ShardedStep(StepState):
-    def __init__(self, net: nn.Cell, cfg: Config, *, stage: int = 0):
+    def __init__(self, net: nn.Cell, cfg: Config):
         super().__init__(net, cfg)
         from mindspore.communication import GlobalComm
         from mindspore.parallel.nn import GradAccumulation, Pipeline
@@ -64,12 +67,8 @@ class ShardedStep(StepState):
         # A poisoned step (a NaN drill) reports a NaN loss: the loss is the scaled one divided back.
         self.loss_of = _NextTokenLoss(self.network)
         self.grad = ms.value_and_grad(_ScaledLoss(self.loss_of), None, self.params)
-        # the squares of the gradients this rank's stage trains (all of them without a pipeline)
-        stages = {id(p): s for name, cell in net.cells_and_names() if name in parallel.cell_stages(cfg)
-                  for s in [parallel.cell_stages(cfg)[name]] for p in cell.get_parameters()}
-        self.in_stage = tuple(cfg.parallel.pp == 1 or stages.get(id(p), 0) == stage for p in self.params)
-        self.stage_devices = cfg.parallel.dp * cfg.parallel.tp
-        self.pp = cfg.parallel.pp
+        # the compiler recognises this marked ExpandDims and makes the norm global (see _global_norm)
+        self.expand = ops.ExpandDims().add_prim_attr("grad_scale", True)
         self.world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
 
     def gradients(self, tokens, sens):
@@ -96,16 +95,14 @@ class ShardedStep(StepState):
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite)
 
     def _global_norm(self, grads):
-        """The norm of the whole gradient. Each square sum is a ReduceSum of the logical (unsplit) gradient,
-        which the parallel pass all-reduces over the axes it splits, so within a stage it is the whole
-        parameter's; with a pipeline each stage sums its own parameters and one explicit all-reduce over the
-        world adds the stages (every stage's sum is held by its dp x tp devices). Nothing depends on the
-        compiler's search for `grad_scale`-marked ExpandDims (HandleGlobalNormScale: 10 nodes deep)."""
-        squares = [ops.reduce_sum(ops.square(g.astype(ms.float32))) for g, mine in zip(grads, self.in_stage) if mine]
-        total = ops.addn(squares)
-        if self.pp > 1:
-            total = self.world_sum(total) / self.stage_devices
-        return ops.sqrt(total)
+        """The norm of the whole gradient: each gradient's square sum marked `grad_scale` (MindFormers'
+        ClipGradNorm pattern). The ops after the gradients run on each rank's slice; the parallel pass
+        (HandleGlobalNormScale) divides each marked square sum by its parameter's replica count and
+        all-reduces the sum within and between stages. It finds each through a search from the parameter
+        (10 nodes deep, over Mul, Cast, Square, ReduceSum, ...): the dry-run lint checks it found every one
+        (tests/e2e/test_dry_run_ir.py: a PARALLEL_GLOBALNORM_DIV per replicated parameter)."""
+        squares = [self.expand(ops.reduce_sum(ops.square(g.astype(ms.float32))), 0) for g in grads]
+        return ops.sqrt(ops.addn(squares))[0]
 
     def _update(self, grads, finite, lr):
         """AdamW unless not finite, without a graph branch: MindSpore's kernel-by-kernel backend (Ascend
@@ -180,7 +177,7 @@ class ShardedTrainStep:
                  run_dir: Path):
         self.cfg, self.rank = cfg, rank
         self.accum_steps = cfg.train.grad_accum_steps
-        self.cell = ShardedStep(net, cfg, stage=parallel.coordinates(rank, cfg).stage)
+        self.cell = ShardedStep(net, cfg)
         self.scaler = self.cell.scaler
         strategy = run_dir / "strategy" / f"rank_{rank}.ckpt"
         strategy.parent.mkdir(parents=True, exist_ok=True)

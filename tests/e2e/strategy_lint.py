@@ -149,6 +149,8 @@ class Partitioned:
     params: dict[str, tuple[int, ...]]           # every parameter, shaped as this rank holds it
     divisors: list[int]                          # the loss divisors (_VirtualDiv) the pass inserted
     reductions: dict[str, list[tuple[str, int]]]  # parameter -> (collective, its group's size) per gradient reduction
+    norm_divs: int = 0                            # square sums the global norm divides by replicas (HandleGlobalNormScale)
+    norm_reduced: bool = False                    # ... and their sum all-reduced within the stage
 
     def gradient_factor(self, stage_devices: int) -> float:
         """The update's gradient over the global mean's, as the compiler reduces it: every device of the stage
@@ -180,14 +182,17 @@ def group_size(group: str, devices: int) -> int:
 
 def read_partitioned(ir: Path, devices: int) -> Partitioned:
     params, divisors, reductions = {}, [], {}
-    for line in ir.read_text().splitlines():
+    text = ir.read_text()
+    norm_divs = len(re.findall(r"instance name: PARALLEL_GLOBALNORM_DIV\b", text))
+    norm_reduced = re.search(r"instance name: PARALLEL_GLOBALNORM_IN_STAGES\b", text) is not None
+    for line in text.splitlines():
         if m := _PARAM.match(line):
             params[m["name"]] = _shape(m["shape"])
         elif m := _DIVISOR.search(line):
             divisors.append(int(m["d"]))
         elif (c := _COMM.search(line)) and (u := _MIRROR_USER.search(line)) and (g := _GROUP.search(line)):
             reductions.setdefault(u["param"], []).append((c["op"], group_size(g["group"], devices)))
-    return Partitioned(params, divisors, reductions)
+    return Partitioned(params, divisors, reductions, norm_divs, norm_reduced)
 
 
 def partition_problems(part: Partitioned, whole: dict[str, tuple[int, ...]], splits: dict[str, tuple[int, ...]],
