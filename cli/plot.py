@@ -245,6 +245,7 @@ class _Run:
 
     name: str
     state: RunState
+    incidents: list[IncidentRecord]              # those acted on: warnings are not drawn as incidents
     log: RankLog
     superseded: dict[int, tuple[int, int]]       # generation -> its steps trained again later
     skipped: list[tuple[int, int] | None]        # per incident: the steps its rollback's skip covers
@@ -261,7 +262,8 @@ def _read_run(run_dir: Path) -> _Run:
         raise NoStepsError(f"no step events in {log_path}: has this run trained yet?")
     superseded = superseded_steps({g: [e["step"] for e in ev] for g, ev in log.steps.items()}, log.resumed_at)
     skipped: list[tuple[int, int] | None] = []
-    for record in state.incidents:
+    incidents = state.acted_on()
+    for record in incidents:
         action, found = record.action, None
         if isinstance(action, Rollback) and action.skip:
             # the samples were read by the generation the incident happened in
@@ -269,11 +271,11 @@ def _read_run(run_dir: Path) -> _Run:
             found = steps_for_samples([(e["step"], e["sample_start"], e["sample_end"]) for e in events
                                        if "sample_start" in e], tuple(action.skip))
         skipped.append(found)
-    labels = [incident_label(r, s) for r, s in zip(state.incidents, skipped)]
-    xs = [e["step"] for ev in log.steps.values() for e in ev] + [r.incident.first_step for r in state.incidents] + \
-        [r.action.checkpoint_step for r in state.incidents if isinstance(r.action, Rollback)]
+    labels = [incident_label(r, s) for r, s in zip(incidents, skipped)]
+    xs = [e["step"] for ev in log.steps.values() for e in ev] + [r.incident.first_step for r in incidents] + \
+        [r.action.checkpoint_step for r in incidents if isinstance(r.action, Rollback)]
     pad = max(1.0, 0.01 * (max(xs) - min(xs)))
-    return _Run(run_dir.name, state, log, superseded, skipped, labels, (min(xs) - 0.5 - pad, max(xs) + 0.5 + pad))
+    return _Run(run_dir.name, state, incidents, log, superseded, skipped, labels, (min(xs) - 0.5 - pad, max(xs) + 0.5 + pad))
 
 
 def plot(run_dir: Path, out: Path) -> dict:
@@ -286,7 +288,7 @@ def plot(run_dir: Path, out: Path) -> dict:
     import matplotlib.pyplot as plt
 
     run = _read_run(run_dir)
-    incidents = run.state.incidents
+    incidents = run.incidents
     # Left: the strip (markers, checkpoints) over loss, lr and tokens/s; right: legend and list.
     size_in, left, right, gap = (14, 9), 0.065, 0.685, 0.015
     char_width = (run.xlim[1] - run.xlim[0]) * 7 * 0.62 / ((right - left) * size_in[0] * 72)  # a 7 pt digit
@@ -361,7 +363,7 @@ def _draw_incident_spans(panels, run: _Run) -> list:
     steps whose samples a rollback skips hatched on the loss."""
     from matplotlib.patches import Patch
 
-    for record, found in zip(run.state.incidents, run.skipped):
+    for record, found in zip(run.incidents, run.skipped):
         inc = record.incident
         color = COLORS.get(inc.kind.value, "tab:blue")
         for ax in panels:
@@ -384,7 +386,7 @@ def _draw_strip(ax, markers: Sequence[Marker], run: _Run) -> list:
     ax.spines["bottom"].set_color("0.75")
     ax.tick_params(left=False, labelleft=False, bottom=False, labelbottom=False)
     ax.set_title(f"{run.name}: {run.state.status}, generation {run.state.generation}, "
-                 f"{len(run.state.incidents)} incident(s)", loc="left", fontsize=10)
+                 f"{len(run.incidents)} incident(s)", loc="left", fontsize=10)
     handles = []
     if run.log.checkpoints:
         gone = [(g, s) for g, s in run.log.checkpoints if g in run.superseded and s >= run.superseded[g][0]]
@@ -393,12 +395,12 @@ def _draw_strip(ax, markers: Sequence[Marker], run: _Run) -> list:
         ax.plot([s for _, s in gone], [0.3] * len(gone), "v", ms=5, mfc="none", mec="0.5", ls="none", clip_on=False)
         handles.append(Line2D([], [], marker="v", ms=5, color="black", ls="none", label="checkpoint"))
     for marker in markers:
-        color = COLORS.get(run.state.incidents[marker.numbers[0] - 1].kind.value, "tab:blue")
+        color = COLORS.get(run.incidents[marker.numbers[0] - 1].kind.value, "tab:blue")
         y = 1.5 + marker.row
         ax.text(marker.x, y, marker.text, ha="center", va="center", fontsize=7, color=color, zorder=3,
                 bbox={"boxstyle": "round,pad=0.25", "fc": "white", "ec": color, "lw": 0.8})
         for n in marker.numbers:
-            record = run.state.incidents[n - 1]
+            record = run.incidents[n - 1]
             if isinstance(record.action, Rollback):
                 ax.annotate("", xy=(record.action.checkpoint_step, y),
                             xytext=(max(record.incident.last_step, record.incident.first_step) + 0.5, y),

@@ -133,7 +133,9 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
     if steps:
         path = layout.step_dir(run_dir / "checkpoints", steps[-1])
         last_ckpt = {"step": steps[-1], "age_s": round(now - path.stat().st_mtime, 1)}
-    incident = state.incidents[-1] if state.incidents else None
+    acted, warnings = state.acted_on(), state.warnings()
+    incident = acted[-1] if acted else None       # a warning is no incident: it never hides the last one
+    warning = warnings[-1] if warnings else None
     step = p.get("step")
     if last_ckpt and (step is None or last_ckpt["step"] > step):
         step = last_ckpt["step"]        # a committed checkpoint was trained to: never shown behind it
@@ -150,7 +152,11 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
                 "action": incident.action.to_dict()["type"] if incident.action else None,
                 "reason": incident.action.reason if incident.action else incident.incident.detail,
                 "drill": "drill" in incident.incident.evidence},
-            "incidents": len(state.incidents), "last_checkpoint": last_ckpt,
+            "incidents": len(acted), "warnings": len(warnings),
+            "last_warning": None if warning is None else {
+                "kind": warning.kind.value, "first_step": warning.incident.first_step,
+                "detail": warning.incident.detail},
+            "last_checkpoint": last_ckpt,
             "checkpoint_intervals": {k: v for k, v in state.cadence.items() if k.endswith("interval_steps")} or None,
             "triage": dict(state.triage), "transient_by_rank": dict(state.transient_by_rank),
             "lemons": {k: {"faults": len(e.get("faults") or ()), "quarantines": e.get("quarantines", 0),
@@ -202,8 +208,13 @@ def render(s: dict[str, Any]) -> str:
             ("restarts", str(s["restarts"])),
             ("last incident", "none" if inc is None else
              f"{inc['kind']}{' (drill)' if inc.get('drill') else ''} at step {inc['first_step']} -> "
-             f"{inc['action'] or 'warning'}: {inc['reason'] or ''}"),
+             f"{inc['action']}: {inc['reason'] or ''}"),
             ("last checkpoint", "none" if ckpt is None else f"step {ckpt['step']} ({_duration(ckpt['age_s'])} ago)")]
+    if s.get("last_warning"):
+        w = s["last_warning"]
+        rows.insert(rows.index(next(r for r in rows if r[0] == "last incident")) + 1,
+                    ("last warning", f"{w['kind']} at step {w['first_step']}" + (f": {w['detail']}" if w["detail"] else "")
+                     + (f"  ({s['warnings']} warnings in all)" if s["warnings"] > 1 else "")))
     if s.get("checkpoint_intervals"):
         rows.append(("checkpoint every", ", ".join(f"{v} steps ({'RAM' if k.startswith('memory') else 'disk'}, auto)"
                                                    for k, v in s["checkpoint_intervals"].items())))

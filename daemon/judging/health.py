@@ -202,13 +202,16 @@ class HealthMonitor:
             return []
         current = statistics.median(self.throughput)
         self.best_throughput = max(self.best_throughput, current)
+        # one ongoing condition, one warning: said when tokens/s falls `throughput_drop` below the best, and
+        # again only after it has recovered half of that drop (a rate hovering at the threshold on a busy
+        # machine is the same slow-down, not a new one every window)
         if current < (1 - self.cfg.throughput_drop) * self.best_throughput:
             if not self.throughput_warned:
                 self.throughput_warned = True
                 return [Incident(kind=Kind.THROUGHPUT_REGRESSION, needs_action=False, first_step=event.step,
                                  last_step=event.step, evidence={"tokens_per_s": current, "best_tokens_per_s": self.best_throughput,
                                   "drop": 1 - current / self.best_throughput})]
-        else:
+        elif current >= (1 - self.cfg.throughput_drop / 2) * self.best_throughput:
             self.throughput_warned = False
         return []
 

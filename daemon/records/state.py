@@ -273,6 +273,14 @@ class RunState:
         self.last_progress = dict(progress)
 
     # Persistence ------------------------------------------------------------------------------------
+    def acted_on(self) -> list[IncidentRecord]:
+        """The incidents something was done about; a health warning is recorded with no action and is not one."""
+        return [r for r in self.incidents if r.action is not None]
+
+    def warnings(self) -> list[IncidentRecord]:
+        """The health warnings (throughput, a stalled loss, a grad-norm spike that only warns): never acted on."""
+        return [r for r in self.incidents if r.action is None]
+
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["incidents"] = [r.to_dict() for r in self.incidents]

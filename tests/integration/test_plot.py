@@ -77,11 +77,15 @@ def test_plot_reads_a_sparse_log_with_a_nan_step_and_labels_a_drill(tmp_path):
     (run / "logs").mkdir(parents=True)
     (run / "logs" / "rank-0.log").write_text("\n".join(lines) + "\n")
     drill = Incident(kind=Kind.NON_FINITE, first_step=23, last_step=23, evidence={"drill": {"fault": "nan"}})
+    slow = [IncidentRecord(incident=Incident(kind=Kind.THROUGHPUT_REGRESSION, first_step=s, last_step=s,
+                                             needs_action=False), generation=2, unix_s=0.0) for s in (30, 35)]
     RunState(generation=2, status="finished", incidents=[IncidentRecord(
         incident=drill, generation=1, unix_s=0.0,
-        action=Rollback("drill", checkpoint_step=20, skip=(176, 184), lr_overrides=()))]).save(run)
+        action=Rollback("drill", checkpoint_step=20, skip=(176, 184), lr_overrides=())), *slow]).save(run)
     info = plot.plot(run, tmp_path / "loss.png")
+    # the two throughput warnings are not incidents: neither listed nor counted
     assert info["labels"] == ["non_finite (drill) -> rollback to 20, skip step 23 (samples 176\u2013184)"]
+    assert info["incidents"] == 1
     assert info["skipped_steps"] == [[23, 23]]
     assert info["superseded_steps"] == {1: [23, 23]}        # 21-22 were not logged, 23 was
     assert info["checkpoints"] == 4 and info["steps"] == 9       # 10, 20; 30, 40

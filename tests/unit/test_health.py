@@ -199,3 +199,19 @@ def test_the_recorded_curves_are_never_rerun(name):
     """A rerun (health.rerun, daemon.judging.triage) is the policy's first answer to an incident that needs action:
     a healthy or merely unstable run raises none, so it never pays for one."""
     assert [i for i in _run(_curve(name)) if i.needs_action] == []
+
+
+def test_a_throughput_hovering_at_the_threshold_is_one_warning_not_one_a_window():
+    """On a busy machine tokens/s falls to ~70 % of the best and hovers there, a window's median now just
+    under the threshold, now just over: one ongoing slow-down, one warning. It is said again only after
+    it recovered half-way (here at 85 %) and fell again."""
+    events = _stream(_noisy(1500))
+    best = events[0]["tokens_per_s"]
+    for n, e in enumerate(events[200:1100]):
+        e["tokens_per_s"] = best * (0.68 if (n // 100) % 2 == 0 else 0.72)     # each window: under, over
+    for e in events[1100:1300]:
+        e["tokens_per_s"] = best * 0.9                                        # recovered past half-way
+    for e in events[1300:]:
+        e["tokens_per_s"] = best * 0.6                                        # and slow again: a new one
+    found = [i for i in _run(events) if i.kind == "throughput_regression"]
+    assert [i.first_step >= events[1300]["step"] for i in found] == [False, True]

@@ -120,3 +120,21 @@ def test_the_lemon_list_shows_each_faulty_device_and_how_long_it_sits_out(tmp_pa
     text = render(s)
     assert "1 fault(s), quarantined 1x; left out for 59m59s more (a device fault)" in text
     assert "node 0 device 3" in text and "quarantined 0x; in the run" in text
+
+
+def test_a_warning_never_hides_the_last_incident(tmp_path):
+    """After a spike rolled back, throughput warnings follow (a busy machine): `status` still names the
+    spike as the last incident, counts incidents without the warnings, and shows the last warning apart."""
+    spike = {"kind": "loss_spike", "first_step": 300, "last_step": 304, "rank": None, "detail": "loss 9.1",
+             "evidence": {}, "generation": 2, "unix_s": 4000.0, "committed_step": 250,
+             "action": {"type": "rollback", "reason": "loss spike: roll back to 250", "checkpoint_step": 250}}
+    warnings = [{"kind": "throughput_regression", "first_step": s, "last_step": s, "rank": None,
+                 "detail": "", "evidence": {"tokens_per_s": 6000.0}, "generation": 3, "unix_s": 4100.0 + s,
+                 "action": None} for s in (350, 380, 410)]
+    _state(tmp_path, incidents=[spike, *warnings])
+    s = summary(tmp_path, now=4601.0)
+    assert s["last_incident"]["kind"] == "loss_spike" and s["last_incident"]["action"] == "rollback"
+    assert (s["incidents"], s["warnings"]) == (1, 3)
+    text = render(s)
+    assert "last incident    loss_spike at step 300 -> rollback: loss spike: roll back to 250" in text
+    assert "last warning     throughput_regression at step 410  (3 warnings in all)" in text
