@@ -61,6 +61,8 @@ def _progress(r: dict[str, Any]) -> str:
         parts.append(f"ETA {duration(r['eta_s'])}")
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
+    if r.get("checkpoint"):
+        parts.append(f"saved {r['checkpoint']}")
     return "  ".join(parts)
 
 
@@ -141,6 +143,7 @@ class ConsoleStream:
         self.colour = stream.isatty() if colour is None else colour
         self.worker = WorkerLines(total_steps)
         self._partial = ""
+        self._committed: dict[str, Any] | None = None     # a commit not said yet: on the next progress line
 
     def write(self, text: str) -> int:
         *lines, self._partial = (self._partial + text).split("\n")
@@ -156,13 +159,27 @@ class ConsoleStream:
 
     def _render(self, record: dict[str, Any]) -> str | None:
         if "event" in record or "kind" not in record:
-            return human(record, colour=self.colour)
+            return self._daemon_line(record)
         said = self.worker.line(record)
         if said is None:
             return None
         level, text = said
         line = f"{time.strftime('%H:%M:%S')} {level.upper():<7} rank {record.get('rank', 0)} {text}"
         return f"{_COLOURS[level]}{line}{_RESET}" if self.colour and level in _COLOURS else line
+
+    def _daemon_line(self, record: dict[str, Any]) -> str | None:
+        """A save is said on the next progress line (`checkpoint step N`), not on a line of its own: a run
+        saving every 50 steps would print ten commits between two progress lines. A commit no progress line
+        follows (the final save, or one before a warning) gets its own line before the next event."""
+        event = record.get("event")
+        if event == "checkpoint_committed" and record.get("level", "info") == "info":
+            self._committed = record
+            return None
+        committed, self._committed = self._committed, None
+        if event == "progress" and committed is not None:
+            return human({**record, "checkpoint": f"step {committed.get('step')}"}, colour=self.colour)
+        line = human(record, colour=self.colour)
+        return line if committed is None else human(committed, colour=self.colour) + "\n" + line
 
     def flush(self) -> None:
         self.stream.flush()

@@ -90,3 +90,29 @@ def test_the_daemons_last_line_gives_its_reason_in_full():
                   "reason": "worker_error", "detail": reason})
     assert reason in line
     assert "…" in human({"ts": "2026-11-30T21:30:05.123Z", "level": "info", "event": "incident", "detail": reason})
+
+
+def test_saves_are_said_on_the_next_progress_line_not_one_line_each():
+    """1,500 steps with a save every 50 and a progress line every 500 (what the default intervals give a fast
+    run): three progress lines, no line of their own for the 30 commits; a final commit no progress line
+    follows is said once, before the daemon's last word."""
+    import json as _json
+
+    out = io.StringIO()
+    console = ConsoleStream(out, colour=False)
+
+    def event(name, **fields):
+        console.write(_json.dumps({"ts": "2026-12-06T04:00:00Z", "level": "info", "event": name, "run": "tiny",
+                                   "generation": 1, **fields}) + "\n")
+
+    for step in range(50, 1501, 50):
+        event("checkpoint_committed", rank=0, step=step, detail="step-%08d" % step)
+        if step % 500 == 0:
+            event("progress", step=step, total_steps=1600, loss=2.5, lr=1e-3, tokens_per_s=9000.0)
+    event("checkpoint_committed", rank=0, step=1600, detail="final")
+    event("daemon_exit", code=0, status="finished")
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 5, lines
+    assert [("progress" in l, "saved step" in l) for l in lines[:3]] == [(True, True)] * 3
+    assert "saved step 1500" in lines[2]
+    assert "checkpoint_committed" in lines[3] and "step=1600" in lines[3] and "daemon_exit" in lines[4]
