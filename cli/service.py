@@ -16,11 +16,18 @@ import sys
 from pathlib import Path
 
 from contracts.config import load_config
-from contracts.errors import ConfigError
+from contracts.errors import CantCreateError, ConfigError
 from durable import write_atomically
 
 UNITS_DIR = Path(__file__).resolve().parents[1] / "systemd"
 DEFAULT_VENV = "/opt/llm-pretrain/.venv"
+PRIVATE_TMP = ("/tmp", "/var/tmp")       # the units run with PrivateTmp=yes: the service sees these empty
+SEARCHED_UNIT_DIRS = ("/etc/systemd/system", "/run/systemd/system", "/usr/lib/systemd/system", "/lib/systemd/system")
+
+
+def _under_private_tmp(path: str) -> bool:
+    resolved = os.path.realpath(path)
+    return any(resolved == d or resolved.startswith(d + "/") for d in PRIVATE_TMP)
 
 
 def _replace(text: str, key: str, value: str) -> str:
@@ -76,6 +83,12 @@ def install(*, venv: str, config: str | None, user: str, dest: Path, tmpfiles_de
         for path in (cfg.run.dir, cfg.run.log_dir):
             if path and not path.startswith(("/var/lib/llm-pretrain", "/var/log/llm-pretrain")):
                 read_write.append(os.path.abspath(path))
+    for what, path in (("the venv", venv), ("the config", config), ("run.dir", cfg.run.dir if cfg else None),
+                       ("run.log_dir", cfg.run.log_dir if cfg else None)):
+        if path and _under_private_tmp(path):
+            raise ConfigError(f"{what} {path} is under {', '.join(PRIVATE_TMP)}, which the service sees private and "
+                              "empty (the units set PrivateTmp=yes); keep it elsewhere (e.g. /opt/llm-pretrain, "
+                              "/etc/llm-pretrain, /var/lib/llm-pretrain)")
     interpreter = str((Path(venv) / "bin" / "python").resolve())
     for what, path, need in (("the venv's llm-pretrain", Path(venv) / "bin" / "llm-pretrain", stat.S_IXOTH),
                              ("the venv's base interpreter", Path(interpreter), stat.S_IXOTH),
@@ -94,6 +107,7 @@ def install(*, venv: str, config: str | None, user: str, dest: Path, tmpfiles_de
                                                    interpreter=interpreter)))
     tmpfiles = (UNITS_DIR / "llm-pretrain.tmpfiles.conf").read_text().replace(" llm-pretrain llm-pretrain ",
                                                                            f" {user} {user} ")
+    tmpfiles = tmpfiles.replace("d /etc/llm-pretrain ", f"d {etc_dir} ")      # where --etc put the configs
     written.append(_write(tmpfiles_dest / "llm-pretrain.conf", tmpfiles))
     env_file = etc_dir / "ascend.env"
     if cfg is not None and cfg.train.device == "ascend" and not env_file.exists():   # the units read it if present
@@ -110,8 +124,14 @@ def next_steps(user: str, written: list[Path]) -> str:
     except KeyError:
         steps.append(f"useradd --system --home-dir /var/lib/llm-pretrain --shell /usr/sbin/nologin {user}")
     tmpfiles = [str(p) for p in written if p.name == "llm-pretrain.conf"]
-    steps += [f"systemd-tmpfiles --create {' '.join(tmpfiles)}".rstrip(), "systemctl daemon-reload",
-              "systemctl enable --now llm-pretrain (or llm-pretrain@NAME)"]
+    steps += [f"systemd-tmpfiles --create {' '.join(tmpfiles)}".rstrip(), "systemctl daemon-reload"]
+    units = [p for p in written if p.suffix == ".service"]
+    if units and str(units[0].parent) not in SEARCHED_UNIT_DIRS:
+        # units outside systemd's search path are linked into it (by name, the same for the template)
+        steps += [f"systemctl link {' '.join(str(p) for p in units)}",
+                  "systemctl enable --now llm-pretrain (or llm-pretrain@NAME)"]
+    else:
+        steps.append("systemctl enable --now llm-pretrain (or llm-pretrain@NAME)")
     return "; ".join(steps)
 
 
@@ -137,9 +157,13 @@ def _blocked_for(user: str, path: Path, need: int) -> str | None:
 
 
 def _write(path: Path, text: str) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, text)
-    path.chmod(0o644)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, text)
+        path.chmod(0o644)
+    except OSError as e:
+        raise CantCreateError(f"cannot write {path}: {e.strerror or e}; run install-service as root, or pass "
+                              "--dest, --tmpfiles-dest and --etc directories you can write") from None
     return path
 
 

@@ -12,6 +12,9 @@ from contracts.protocol import FINAL_EXIT_CODES
 
 needs_systemd = pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 SYSTEM_PYTHON = "/usr/bin/python3"
+# a directory every user can reach that the units' PrivateTmp=yes does not hide (a venv under /tmp or /var/tmp
+# is refused: the service would see an empty one); tmp_path hangs off a 0700 directory
+REACHABLE_TMP = "/dev/shm"
 
 
 def _fake_venv(parent: Path) -> Path:
@@ -30,7 +33,7 @@ def _fake_venv(parent: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reachable_venv():
-    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir="/var/tmp"))
+    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir=REACHABLE_TMP))
     base.chmod(0o755)
     yield str(_fake_venv(base))
     shutil.rmtree(base, ignore_errors=True)
@@ -46,6 +49,7 @@ def installed(tmp_path, cli, quiet_env, reachable_venv):
                            str(tmp_path / "units"), "--tmpfiles-dest", str(tmp_path / "tmpfiles"),
                            "--etc", str(tmp_path / "etc")], env=quiet_env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    (tmp_path / "stdout").write_text(done.stdout)
     return tmp_path
 
 
@@ -104,17 +108,20 @@ def test_a_bad_config_is_refused_before_anything_is_written(tmp_path, cli, quiet
 
 def test_a_venv_or_config_the_service_user_cannot_reach_is_refused_naming_the_blocker(tmp_path, cli, quiet_env,
                                                                                      reachable_venv):
-    """A venv under a 0700 directory (pytest's own base, like /root) would give a unit that cannot start."""
-    hidden = _fake_venv(tmp_path)
-    args = ["install-service", "--dest", str(tmp_path / "units"), "--tmpfiles-dest", str(tmp_path / "tmpfiles"),
-            "--etc", str(tmp_path / "etc")]
-    done = subprocess.run([*cli, *args, "--venv", str(hidden)], env=quiet_env, capture_output=True, text=True)
-    assert done.returncode == 78 and "cannot reach the venv's llm-pretrain" in done.stderr
-    blocker = next(p for p in [*reversed(tmp_path.parents), tmp_path] if (p.stat().st_mode & 0o001) == 0)
-    assert f"{blocker} is mode" in done.stderr and not (tmp_path / "units").exists()
-    done = subprocess.run([*cli, *args, "--venv", str(hidden), "--user", "root"], env=quiet_env, capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr                       # root reaches it (not advised: the rating)
+    """A venv under a 0700 directory (like /root) would give a unit that cannot start."""
+    blocker = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir=REACHABLE_TMP))      # mode 0700
+    try:
+        hidden = _fake_venv(blocker)
+        args = ["install-service", "--dest", str(tmp_path / "units"), "--tmpfiles-dest", str(tmp_path / "tmpfiles"),
+                "--etc", str(tmp_path / "etc")]
+        done = subprocess.run([*cli, *args, "--venv", str(hidden)], env=quiet_env, capture_output=True, text=True)
+        assert done.returncode == 78 and "cannot reach the venv's llm-pretrain" in done.stderr
+        assert f"{blocker} is mode" in done.stderr and not (tmp_path / "units").exists()
+        done = subprocess.run([*cli, *args, "--venv", str(hidden), "--user", "root"], env=quiet_env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr                   # root reaches it (not advised: the rating)
+    finally:
+        shutil.rmtree(blocker, ignore_errors=True)
 
 
 def test_the_template_reads_etc_and_ascend_env_is_written_only_for_ascend(tmp_path, cli, quiet_env, reachable_venv):
@@ -134,7 +141,7 @@ def test_the_template_reads_etc_and_ascend_env_is_written_only_for_ascend(tmp_pa
 
 def test_a_venv_whose_base_interpreter_the_service_user_cannot_reach_is_refused(tmp_path, cli, quiet_env):
     """A venv made from a Python under /root (pyenv): its llm-pretrain is reachable, its interpreter not."""
-    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir="/var/tmp"))
+    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir=REACHABLE_TMP))
     try:
         base.chmod(0o755)
         venv = _fake_venv(base)
@@ -174,3 +181,44 @@ def test_relative_paths_are_written_absolute_and_next_steps_are_printed_not_run(
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("not done by install-service") and "useradd" not in last, last
     assert f"systemd-tmpfiles --create {here / stage / 'tmpfiles' / 'llm-pretrain.conf'}" in last
+
+
+@pytest.mark.parametrize("where", ["venv", "config"])
+def test_a_venv_or_config_under_a_private_tmp_is_refused(tmp_path, cli, quiet_env, reachable_venv, where):
+    """The units set PrivateTmp=yes: the service would see an empty /tmp and /var/tmp, so a venv or config
+    kept there is refused before anything is written (78), in one line."""
+    base = Path(tempfile.mkdtemp(prefix="llm-pretrain-units-", dir="/var/tmp"))
+    try:
+        venv = str(_fake_venv(base)) if where == "venv" else reachable_venv
+        config = (base if where == "config" else Path(reachable_venv).parent) / f"{tmp_path.name}.toml"
+        config.write_text('[run]\nname = "demo"\n')
+        done = subprocess.run([*cli, "install-service", "--venv", venv, "--config", str(config), "--dest",
+                               str(tmp_path / "units"), "--tmpfiles-dest", str(tmp_path / "tmpfiles"), "--etc",
+                               str(tmp_path / "etc")], env=quiet_env, capture_output=True, text=True)
+        assert done.returncode == 78 and "PrivateTmp=yes" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "units").exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_destination_it_cannot_write_is_one_line_and_exit_73(tmp_path, cli, quiet_env, reachable_venv):
+    """As an unprivileged user /etc/systemd/system is not writable: one line naming the path, exit 73 (as
+    root, a destination under a regular file fails the same way)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = subprocess.run([*cli, "install-service", "--venv", reachable_venv, "--dest", str(blocker / "units"),
+                           "--tmpfiles-dest", str(tmp_path / "tmpfiles"), "--etc", str(tmp_path / "etc")],
+                          env=quiet_env, capture_output=True, text=True)
+    assert done.returncode == 73, done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "Traceback" not in done.stderr
+    assert f"cannot write {blocker / 'units'}" in done.stderr and "--dest" in done.stderr
+
+
+def test_units_staged_elsewhere_are_linked_and_the_tmpfiles_entry_names_the_etc_given(installed):
+    """--dest outside systemd's search path: the next steps link the units there; --etc: the tmpfiles entry
+    creates that directory, not /etc/llm-pretrain."""
+    tmpfiles = (installed / "tmpfiles" / "llm-pretrain.conf").read_text()
+    assert f"d {installed / 'etc'} " in tmpfiles and "/etc/llm-pretrain" not in tmpfiles
+    last = (installed / "stdout").read_text().strip().splitlines()[-1]
+    units = installed / "units"
+    assert f"systemctl link {units / 'llm-pretrain.service'} {units / 'llm-pretrain@.service'}" in last, last
