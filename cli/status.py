@@ -270,12 +270,40 @@ def _in_force_rows(f: dict[str, Any] | None) -> list[tuple[str, str]]:
 
 
 # logs ---------------------------------------------------------------------
-def _matches(record: dict, *, level: str | None, events: list[str], rank: int | None) -> bool:
+class RankFilter:
+    """The events that concern one rank: its own (`rank`), those naming it among others (a triage verdict's
+    `suspects`, an incident's `homes`), and, once an event said where it ran, the quarantine of that device
+    (`quarantined`: its node and device; `devices_quarantined`: the devices left out)."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.homes: set[tuple[int, Any]] = set()        # (node, device) it ran on, as the log said
+
+    def __call__(self, record: dict) -> bool:
+        r = self.rank
+        homes = record.get("homes") if isinstance(record.get("homes"), dict) else {}
+        evidence = record.get("evidence") if isinstance(record.get("evidence"), dict) else {}
+        homes = {**(evidence.get("homes") or {}), **homes}
+        if isinstance(homes.get(str(r)), (list, tuple)) and len(homes[str(r)]) == 2:
+            self.homes.add(tuple(homes[str(r)]))
+        if record.get("rank") == r or str(r) in homes:
+            return True
+        if r in (record.get("suspects") or ()) or r in (evidence.get("suspects") or ()):
+            return True
+        if record.get("event") == "quarantined":
+            return (record.get("node"), record.get("device")) in self.homes
+        if record.get("event") == "devices_quarantined":
+            return any(device in (record.get("left_out") or ()) for _, device in self.homes)
+        return False
+
+
+def _matches(record: dict, *, level: str | None, events: list[str], rank: RankFilter | None) -> bool:
+    concerns = rank is None or rank(record)        # called on every record: it learns where the rank ran
     if level and LEVELS.index(record.get("level", "info")) < LEVELS.index(level):
         return False
     if events and record.get("event") not in events:
         return False
-    return rank is None or record.get("rank") == rank
+    return concerns
 
 
 def pretty(record: dict) -> str:
@@ -319,10 +347,11 @@ def _lines(path: Path, follow: bool, poll_s: float = 0.25) -> Iterator[str]:
 def logs(log_path: Path, *, follow: bool, level: str | None, events: list[str], rank: int | None,
          as_json: bool, out: TextIO | None = None) -> None:
     out = out or sys.stdout           # looked up now: bound at import it would outlive a replaced stdout
+    concerns = None if rank is None else RankFilter(rank)
     for line in _lines(log_path, follow):
         try:
             record = json.loads(line)
         except ValueError:
             continue
-        if _matches(record, level=level, events=events, rank=rank):
+        if _matches(record, level=level, events=events, rank=concerns):
             print(line if as_json else pretty(record), file=out, flush=True)

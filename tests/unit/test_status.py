@@ -138,3 +138,30 @@ def test_a_warning_never_hides_the_last_incident(tmp_path):
     text = render(s)
     assert "last incident    loss_spike at step 300 -> rollback: loss spike: roll back to 250" in text
     assert "last warning     throughput_regression at step 410  (3 warnings in all)" in text
+
+
+def test_logs_of_a_rank_keep_the_verdict_and_the_quarantine_of_its_device(tmp_path):
+    """A faulty rank 1 (device 1 of node 0): its incident, the triage verdict naming it among the suspects, its
+    device's quarantine and the next generation leaving that device out all concern rank 1; rank 0's crash and
+    device 0 do not."""
+    import io
+
+    from cli.status import logs
+
+    homes = {"0": [0, 0], "1": [0, 1]}
+    records = [
+        {"event": "incident", "level": "error", "kind": "rank_outlier", "rank": None,
+         "evidence": {"suspects": [1], "homes": homes}},
+        {"event": "triage", "level": "warning", "verdict": "device", "suspects": [1], "homes": homes},
+        {"event": "quarantined", "level": "warning", "node": 0, "device": 1},
+        {"event": "quarantined", "level": "warning", "node": 0, "device": 0},
+        {"event": "devices_quarantined", "level": "warning", "devices": [0], "left_out": [1]},
+        {"event": "crash", "level": "error", "rank": 0},
+        {"event": "generation_start", "level": "info"}]
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = io.StringIO()
+    logs(path, follow=False, level=None, events=[], rank=1, as_json=True, out=out)
+    got = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [r["event"] for r in got] == ["incident", "triage", "quarantined", "devices_quarantined"]
+    assert got[2]["device"] == 1
