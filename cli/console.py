@@ -18,16 +18,20 @@ _COMMON = ("ts", "level", "event", "run", "generation")
 _COLOURS = {"debug": "\x1b[2m", "warning": "\x1b[33m", "error": "\x1b[31m", "critical": "\x1b[1;31m"}
 _RESET = "\x1b[0m"
 FOLD = 100          # characters of a long value shown before "…"
+_PROSE = ("reason", "detail", "error")      # fields that say why, in words: never folded
 
 
-def _value(v: Any, fold: bool = True) -> str:
+def _value(v: Any, fold: bool = True, words: bool = False) -> str:
     if isinstance(v, float):
         return f"{v:.4g}" if abs(v) < 1e5 else f"{v:,.0f}"
     if isinstance(v, str):
         text = v
     else:
         text = json.dumps(_rounded(v), separators=(",", ":"))
-    return text if len(text) <= FOLD or not fold else text[:FOLD] + "…"
+    if len(text) <= FOLD or not fold:
+        return text
+    cut = text.rfind(" ", 0, FOLD) if words and isinstance(v, str) else -1
+    return (text[:cut] if cut > 0 else text[:FOLD]) + "…"
 
 
 def _rounded(v: Any) -> Any:
@@ -74,9 +78,11 @@ def human(record: dict[str, Any], *, colour: bool = False, full_time: bool = Fal
     if event == "progress":
         rest = _progress(record)
     else:
-        # the daemon's last line says in full why it ended (a rank's refusal, say)
-        rest = " ".join(f"{k}={_value(v, fold=event != 'daemon_exit' or k != 'detail')}" for k, v in record.items()
-                        if k not in _COMMON and v not in (None, ""))
+        # why the daemon gave up or ended is said in full (a rank's error, its refusal); other prose is folded
+        # at a word, evidence and other values at FOLD characters
+        whole = event in ("daemon_exit", "gave_up")
+        rest = " ".join(f"{k}={_value(v, fold=not (whole and k in _PROSE), words=k in _PROSE)}"
+                        for k, v in record.items() if k not in _COMMON and v not in (None, ""))
     line = f"{when} {level.upper():<7} g{record.get('generation', '')} {event:<18} {rest}".rstrip()
     if colour and level in _COLOURS:
         return f"{_COLOURS[level]}{line}{_RESET}"

@@ -98,7 +98,9 @@ def give_up(decision: Decision, ledger: Ledger, files: RunFiles) -> int:
                 restarts_without_progress=state.restarts_without_progress,
                 committed_step=decision.record.committed_step, last_incident=decision.record.log_fields())
     cause = {ExitCode.GAVE_UP_CRASH_LOOP: "crash_loop", ExitCode.DATA_ERROR: "data"}.get(code, "numerics")
-    return ledger.exit(code, "gave_up", cause, "error")
+    incident = decision.record.incident
+    last = f"; the last incident: {incident.kind.value}: {incident.detail}" if incident.detail else ""
+    return ledger.exit(code, "gave_up", cause, "error", detail=f"{decision.action.reason}{last}")
 
 
 def end_as(outcome: watch.Finished | watch.Stopped | watch.WorkerFailed | watch.Ended, ledger: Ledger, *,

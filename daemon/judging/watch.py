@@ -229,6 +229,7 @@ class _Exit:
     peak_bytes: int = 0
     device_oom_line: str | None = None
     refusal: str | None = None
+    error_line: str | None = None
 
 
 class Watch:
@@ -456,11 +457,13 @@ class Watch:
             self._do(Note(f"checkpoint_{ev.stage}", "error", {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
 
     def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,
-                device_oom_line: str | None = None, refusal: str | None = None) -> None:
+                device_oom_line: str | None = None, refusal: str | None = None,
+                error_line: str | None = None) -> None:
         """Rank `rank`'s process ended with `code` (negative: killed by that signal); `oom_kills` and
         `peak_bytes` from its memory cgroup, `device_oom_line` the allocator's error in its log,
-        `refusal` its own one-line reason for a usage, data or config error."""
-        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line, refusal))
+        `refusal` its own one-line reason for a usage, data or config error, `error_line` the exception it
+        ended with otherwise (said in the incident: why a rank crashed, without opening its log)."""
+        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line, refusal, error_line))
 
     def on_control(self, request: Request, now: float) -> None:
         """A request from the control directory while ranks run (already logged by the supervisor)."""
@@ -559,9 +562,11 @@ class Watch:
             self._do(Note("oom", "error", {"rank": rank, "step": step, "log": log, **oom}))
             return Failed(Incident(kind=Kind.OOM, first_step=step, last_step=step, rank=rank, exit_code=code,
                                    detail=f"rank {rank} ran out of memory ({cause})", evidence=oom))
-        self._do(Note("crash", "error", {"rank": rank, "exit_code": code, "cause": cause, "step": step, "log": log}))
+        said = f": {ended.error_line}" if ended.error_line else ""
+        self._do(Note("crash", "error", {"rank": rank, "exit_code": code, "cause": cause, "step": step, "log": log,
+                                         "error": ended.error_line}))
         return Failed(Incident(kind=Kind.CRASH, first_step=step, last_step=step, rank=rank, exit_code=code,
-                               detail=f"rank {rank}: {cause}"))
+                               detail=f"rank {rank}: {cause}{said}"))
 
     def _hang(self, now: float) -> Outcome | None:
         live = tuple(r for r in self.ranks if r not in self._exits)

@@ -213,6 +213,7 @@ class RankExit:
     peak_bytes: int = 0
     device_oom_line: str | None = None
     refusal: str | None = None            # its one-line reason, for a usage, data or config error
+    error_line: str | None = None         # otherwise, the exception it ended with (its log's traceback)
 
 
 class Generation:
@@ -313,7 +314,9 @@ class Generation:
                                 peak_bytes=(w.group.peak_bytes() or 0) if w.group else 0,
                                 device_oom_line=rank_log.oom_line(w.log_path, w.log_start) if code > 0 else None,
                                 refusal=rank_log.refusal_line(w.log_path, w.log_start)
-                                if code in FINAL_WORKER_CODES else None))
+                                if code in FINAL_WORKER_CODES else None,
+                                error_line=rank_log.error_line(w.log_path, w.log_start)
+                                if code > 0 and code not in FINAL_WORKER_CODES else None))
         return out
 
     def dump_stacks(self, ranks: Sequence[int]) -> None:

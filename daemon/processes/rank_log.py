@@ -1,4 +1,4 @@
-"""What a rank that ended with an error wrote last: a device out-of-memory, or its refusal.
+"""What a rank that ended with an error wrote last: a device out-of-memory, its refusal, or its error.
 
 A refusal is the one line `llm-pretrain: …` a rank prints before it exits 2, 65 or 78 (a usage,
 data or config error that restarting cannot help): the daemon's own last line carries it.
@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+
+# the last line of a Python traceback: `json.decoder.JSONDecodeError: Expecting value: …`, `RuntimeError: …`
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit|Warning)(?::\s.*)?$")
 
 _PATTERNS = re.compile(r"memory isn't enough|Out of Memory!!!|Malloc device memory failed|EL0004|"
                        r"out of memory", re.IGNORECASE)
@@ -43,3 +46,13 @@ def refusal_line(log_path: Path, start: int = 0) -> str | None:
     said = [line.strip()[len(PREFIX):] for line in (_tail(log_path, start) or "").splitlines()
             if line.startswith(PREFIX)]
     return said[-1][:500] if said else None
+
+
+def error_line(log_path: Path, start: int = 0) -> str | None:
+    """Why a rank that crashed says it did: the last exception line of a Python traceback in this process's
+    part of the log (MindSpore's errors included), else its last `llm-pretrain: ` line; None if neither."""
+    lines = [line.strip() for line in (_tail(log_path, start) or "").splitlines()]
+    raised = [line for line in lines if _EXCEPTION.match(line)]
+    if raised:
+        return raised[-1][:300]
+    return refusal_line(log_path, start)

@@ -8,7 +8,7 @@ which it resumes. Faults on cue, in chosen generations:
 
     --crash-at STEP      exit 1 after STEP          --signal-at STEP   SIGKILL itself after STEP
     --crash-when PATH    exit 1 after the first step that finds PATH empty or holding this generation's number
-    --hang-at STEP       stop stepping after STEP   --die-at-start     exit 1 before any event
+    --hang-at STEP       stop stepping after STEP   --die-at-start     raise (exit 1) before any event
     --first-step-s S     the first step of a generation takes S seconds, the others --step-s
     --spike-at STEP      report a loss 4x higher for --spike-steps steps from STEP: bad data, so a
                          generation that reruns those steps (ENV_RERUN) spikes again, in any generation;
@@ -164,9 +164,9 @@ def main() -> int:
         rerun = RerunDirective.from_json(Path(os.environ[ENV_RERUN]).read_text())
     # bad data is read again by a rerun of its steps (and only by one: a rollback skips it or shifts it away)
     data_again = rerun is not None and not a.spike_device and (a.rank_faults is None or a.rank_faults == rank)
-    if faulty and a.die_at_start:
+    if faulty and a.die_at_start:             # as a real rank fails: a traceback, exit 1
         print("dying at start, as asked", flush=True)
-        return 1
+        raise RuntimeError("the model's safetensors header is not JSON (dying at start, as asked)")
     time.sleep(a.start_delay_s)
     ckpts = Path(a.run_dir) / "checkpoints"
     done = [int(p.name[5:]) for p in ckpts.glob("step-*") if p.name[5:].isdigit() and (p / "manifest.json").exists()] \

@@ -121,6 +121,11 @@ def test_crash_loop_gives_up_with_3(tmp_path):
     gave_up = _named(events, "gave_up")[0]
     assert gave_up["code"] == 3 and gave_up["restarts_without_progress"] == 3
     assert RunState.load(tmp_path / "run").status == "gave_up"
+    # why the rank died is said without opening its log: in each crash, the incident and the daemon's last word
+    why = "RuntimeError: the model's safetensors header is not JSON (dying at start, as asked)"
+    assert all(e["error"] == why for e in _named(events, "crash"))
+    assert all(why in e["detail"] for e in _named(events, "incident"))
+    assert why in _named(events, "daemon_exit")[0]["detail"] and "restarts without" in _named(events, "daemon_exit")[0]["detail"]
 
 
 def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):

@@ -116,3 +116,14 @@ def test_saves_are_said_on_the_next_progress_line_not_one_line_each():
     assert [("progress" in l, "saved step" in l) for l in lines[:3]] == [(True, True)] * 3
     assert "saved step 1500" in lines[2]
     assert "checkpoint_committed" in lines[3] and "step=1600" in lines[3] and "daemon_exit" in lines[4]
+
+
+def test_why_the_daemon_gave_up_is_said_in_full_and_other_prose_is_folded_at_a_word():
+    reason = ("3 restarts without a new checkpoint; the last incident: crash: rank 0: exit code 70: "
+              "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)")
+    line = human({"ts": "2026-12-06T04:00:00Z", "level": "error", "event": "gave_up", "generation": 3,
+                  "reason": reason, "last_incident": {"x": "y" * 300}})
+    assert f"reason={reason}" in line and line.endswith("…")        # the evidence is folded, the reason is not
+    incident = human({"ts": "2026-12-06T04:00:00Z", "level": "error", "event": "incident", "detail": reason})
+    shown = incident.split("detail=")[1]
+    assert shown.endswith("…") and reason.startswith(shown[:-1]) and reason[len(shown) - 1] == " "

@@ -226,6 +226,24 @@ def test_a_ranks_refusal_is_its_last_own_line_in_this_process_s_part_of_the_log(
     assert refusal_line(log) is None
 
 
+def test_a_crashed_ranks_error_is_the_last_exception_of_its_traceback(tmp_path):
+    from daemon.processes.rank_log import error_line
+
+    log = tmp_path / "rank-0.log"
+    log.write_text("generation 1\nRuntimeError: an older generation's\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write('{"kind": "phase", "phase": "restore"}\nTraceback (most recent call last):\n'
+                '  File "/x/hf.py", line 40, in _header\n    return json.loads(raw)\n'
+                "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)\n"
+                "[WARNING] DEVICE(1,7f,python):2026-12-06 teardown\n")
+    assert error_line(log, start) == "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)"
+    log.write_text("llm-pretrain: internal error: see above\n")
+    assert error_line(log) == "internal error: see above"
+    log.write_text("killed\n")
+    assert error_line(log) is None
+
+
 def test_the_control_directory_watcher_flags_a_new_request(tmp_path):
     import time
 
