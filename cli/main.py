@@ -232,13 +232,18 @@ def _load_config(path, overrides):
 def _check_inputs(cfg) -> None:
     """What a rank would refuse, found here rather than inside a rank after the cluster formed: a
     prepared corpus at data.path (its manifest and shard sizes; content is checked as it is read)
-    whose vocabulary the model embeds, and a model.init_from whose config.json matches model.*
-    (read only while the run has no checkpoint, as the ranks read it)."""
+    whose vocabulary the model embeds (its validation split's too), and a model.init_from whose config.json
+    matches model.* and whose safetensors files are whole (read only while the run has no checkpoint, as the
+    ranks read it)."""
     if cfg.data.source == "prepared" and cfg.data.path:
         from engine.data.corpus import Corpus
         from engine.data.order import check_vocabulary
 
-        check_vocabulary(Corpus(cfg.data.path, verify_checksums=False), cfg)
+        corpus = Corpus(cfg.data.path, verify_checksums=False)
+        check_vocabulary(corpus, cfg)
+        held_out = cfg.data.validation_path or (corpus.validation_path if cfg.train.eval_interval_steps else None)
+        if held_out and cfg.train.eval_interval_steps:          # the validation split the ranks will embed too
+            check_vocabulary(Corpus(held_out, verify_checksums=False), cfg)
     if cfg.model.init_from:
         from pathlib import Path
 

@@ -358,7 +358,30 @@ def check_init_from(directory: Path, m: ModelConfig) -> list[Path]:
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"model.init_from: no .safetensors files in {directory} (pickled .bin files are not read)")
+    for f in files:
+        check_safetensors(f)
     return files
+
+
+def check_safetensors(path: Path) -> None:
+    """A .safetensors file is whole: its header is JSON and every tensor's bytes lie inside the file (a copy
+    cut short fails here, in one line, and not in every rank's loader). DataError (65); no tensor is read."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+            if not 0 < length <= size - 8:
+                raise ValueError(f"its header length ({length}) does not fit the file's {size} bytes")
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+        raise DataError(f"model.init_from: {path} is not a readable safetensors file: {e}") from None
+    if 8 + length + end > size:
+        raise DataError(f"model.init_from: {path} is cut short: its tensors need {8 + length + end} bytes, the file "
+                        f"has {size} (copy it again)")
 
 
 def load_for_init(directory: Path, m: ModelConfig) -> dict[str, np.ndarray]:

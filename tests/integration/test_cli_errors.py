@@ -240,3 +240,31 @@ def test_an_init_from_whose_config_differs_is_refused_by_config_and_run_before_a
         assert "does not match the config" in proc.stderr and "rope_theta" in proc.stderr and "rms_norm_eps" in \
             proc.stderr, proc.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_validation_corpus_the_model_cannot_embed_is_refused_before_any_rank(tmp_path, cli, quiet_env):
+    """The training corpus fits the model (a BPE vocabulary of at most 200 tokens, model.vocab_size = 208), the
+    held-out corpus does not (bytes: 257 tokens): found by `config` and `run` in one line, not by every rank at
+    its first validation."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog."] * 50,
+                            trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "in.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 200)
+    for name, extra in (("train", ["--tokenizer", str(tmp_path / "tokenizer.json")]), ("held-out", [])):
+        prep = subprocess.run([*cli, "prepare-data", "--input", str(tmp_path / "in.txt"), "--output",
+                               str(tmp_path / name), *extra], capture_output=True, text=True, env=quiet_env,
+                              timeout=120)
+        assert prep.returncode == 0, prep.stderr
+    vocab = json.loads((tmp_path / "train" / "manifest.json").read_text())["tokenizer"].get("vocab_size")
+    sets = ["--set", f'data.path="{tmp_path / "train"}"', "--set", f'data.validation_path="{tmp_path / "held-out"}"',
+            "--set", f"model.vocab_size={max(int(vocab or 0), 208)}", "--set", f'run.dir="{tmp_path / "run"}"']
+    for command in ("config", "run"):
+        proc = subprocess.run([*cli, command, *sets], capture_output=True, text=True, env=quiet_env, timeout=120)
+        assert proc.returncode == 65, (command, proc.stderr)
+        assert f"corpus '{tmp_path / 'held-out'}' has a vocabulary of 257 tokens" in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "logs").exists()                     # no rank was started

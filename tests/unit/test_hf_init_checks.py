@@ -116,3 +116,25 @@ def test_every_mismatch_is_named_in_the_one_message(tmp_path):
     for says in ("model.vocab_size = 32000", "model.rope_theta = 50000.0", "model.norm_eps = 1e-06",
                  "rope_scaling type 'linear'"):
         assert says in message
+
+
+@pytest.mark.parametrize("cut", ["tensors", "header", "length"])
+def test_a_safetensors_file_cut_short_is_refused_in_one_line_before_any_rank(tmp_path, cut):
+    """A copy of model.safetensors cut short (a failed download): checked with config.json, before any rank
+    starts (it used to reach every rank's loader, exit 70 three times, then a crash loop)."""
+    from contracts.errors import DataError
+
+    _dir(tmp_path)
+    path = tmp_path / "model.safetensors"
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    keep = {"tensors": len(data) - 7, "header": 8 + length // 2, "length": 5}[cut]
+    path.write_bytes(data[:keep])
+    with pytest.raises(DataError) as e:
+        hf.check_init_from(tmp_path, M)
+    assert str(e.value).startswith(f"model.init_from: {path}") and "\n" not in str(e.value)
+    assert ("cut short" if cut == "tensors" else "not a readable safetensors file") in str(e.value)
+
+
+def test_a_whole_safetensors_file_passes_the_check(tmp_path):
+    assert hf.check_init_from(_dir(tmp_path), M) == [tmp_path / "model.safetensors"]
