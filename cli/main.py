@@ -525,9 +525,15 @@ def _cmd_inject(args: argparse.Namespace) -> int:
     body = {**request.to_dict(), **({"reason": args.reason} if args.reason else {})}
     control_dir = _control_dir(args.run, queue=True)
     resolved = resolve_run_dir(args.run) / "config.resolved.toml"    # what the running daemon runs with
-    if resolved.exists() and not load_config(resolved).health.allow_fault_injection:
+    running = load_config(resolved) if resolved.exists() else None
+    if running is not None and not running.health.allow_fault_injection:
         raise ConfigError(f"fault drills are off for this run ({resolved}): set health.allow_fault_injection = "
                           "true and restart the daemon")
+    if running is not None:
+        try:
+            InjectRequest.from_dict(request.to_dict(), world=running.parallel.world_size, dp=running.parallel.dp)
+        except ValueError as e:
+            raise ConfigError(f"inject: {e}") from None
     _control_dir(args.run, queue=args.queue)                          # a daemon to act on it, or --queue
     path = control.write_request(control_dir, "inject", body)
     print(f"requested: {path} (the daemon's log acknowledges it with a `control` event)")

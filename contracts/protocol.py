@@ -375,11 +375,16 @@ class InjectRequest:
     seconds: float | None = None     # hang: how long; slow: per step (None: DEFAULT_DRILL_SECONDS)
 
     @classmethod
-    def from_dict(cls, body: dict[str, Any], *, world: int | None = None) -> "InjectRequest":
-        """Raises ValueError naming what is wrong and what is allowed."""
+    def from_dict(cls, body: dict[str, Any], *, world: int | None = None, dp: int | None = None) -> "InjectRequest":
+        """Raises ValueError naming what is wrong and what is allowed. `dp`, where known: a faulty device is
+        told from its replicas, so faulty-rank needs two of them."""
         fault = body.get("fault")
         if fault not in FAULTS:
             raise ValueError(f"unknown fault {fault!r}: it must be one of {', '.join(FAULTS)}")
+        if fault == "faulty-rank" and dp is not None and dp < 2:
+            raise ValueError(f"faulty-rank needs at least two data-parallel replicas (parallel.dp = {dp}): a faulty "
+                             "device is found by comparing its gradients with its replicas'; with one there is "
+                             "nothing to compare, and no detector would see it")
         rank = body.get("rank", 0)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0 or (world is not None and rank >= world):
             raise ValueError(f"rank {rank!r} is not in [0, {world if world is not None else 'world size'})")

@@ -21,7 +21,7 @@ def _no_args(body: dict[str, Any], cfg) -> dict[str, Any]:
 def _inject_args(body: dict[str, Any], cfg) -> dict[str, Any]:
     if not cfg.health.allow_fault_injection:
         raise ValueError("fault drills are off: set health.allow_fault_injection = true")
-    return InjectRequest.from_dict(body, world=cfg.parallel.world_size).to_dict()
+    return InjectRequest.from_dict(body, world=cfg.parallel.world_size, dp=cfg.parallel.dp).to_dict()
 
 
 @dataclasses.dataclass(frozen=True)

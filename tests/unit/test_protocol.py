@@ -102,3 +102,23 @@ def test_one_strict_json_for_events_the_log_and_the_state():
     event = FingerprintEvent.from_dict({**{k: 0 for k in fields}, "names": ["nan", "inf"], "groups": [1],
                                         "seconds": "inf"})
     assert event.names == ["nan", "inf"] and event.seconds == float("inf")
+
+
+def test_a_faulty_rank_drill_needs_replicas_to_be_told_from():
+    """With one data-parallel rank a faulty device's gradients have nothing to be compared with: the drill
+    moved the gradient norm 40x and no detector could say so. It is refused, naming why, where dp is known."""
+    import pytest
+
+    from contracts.protocol import InjectRequest
+    from daemon.judging.requests import VERBS
+
+    with pytest.raises(ValueError, match=r"faulty-rank needs at least two data-parallel replicas \(parallel.dp = 1\)"):
+        InjectRequest.from_dict({"fault": "faulty-rank", "rank": 0}, world=1, dp=1)
+    assert InjectRequest.from_dict({"fault": "faulty-rank", "rank": 1}, world=2, dp=2).fault == "faulty-rank"
+    assert InjectRequest.from_dict({"fault": "nan", "rank": 0}, world=1, dp=1).fault == "nan"
+
+    from contracts.config import load_config
+
+    alone = load_config(None, ["health.allow_fault_injection=true"])
+    with pytest.raises(ValueError, match="faulty-rank needs"):
+        VERBS["inject"].command_args({"fault": "faulty-rank", "rank": 0}, cfg=alone)
