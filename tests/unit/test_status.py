@@ -165,3 +165,20 @@ def test_logs_of_a_rank_keep_the_verdict_and_the_quarantine_of_its_device(tmp_pa
     got = [json.loads(line) for line in out.getvalue().splitlines()]
     assert [r["event"] for r in got] == ["incident", "triage", "quarantined", "devices_quarantined"]
     assert got[2]["device"] == 1
+
+
+def test_after_a_clean_finish_every_machine_s_daemon_ended_it_was_not_lost(tmp_path):
+    """Both daemons of a two-machine run exit after it finished: their leases are gone from etcd, which is
+    what a lost machine looks like too; a node whose state says it ended is shown ended, one still running
+    without a lease is LOST."""
+    for node in (0, 1):
+        d = tmp_path / "nodes" / f"node-{node}"
+        d.mkdir(parents=True)
+        _state(d, status="finished", generation=3, daemon_pid=DEAD_PID)
+    s = summary(tmp_path, now=4601.0)
+    for n in s["nodes"]:
+        n["lease"] = False                                        # etcd answered: no lease for either
+    text = render(s)
+    assert "LOST" not in text and "node 1           finished, generation 3, step 400, daemon ended" in text
+    s["nodes"][1]["status"] = "running"
+    assert "node 1           running, generation 3, step 400, daemon LOST (no etcd lease)" in render(s)
