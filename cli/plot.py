@@ -315,11 +315,27 @@ def plot(run_dir: Path, out: Path) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     plt.close(fig)
-    return {"generations": len(run.log.steps), "steps": sum(len(ev) for ev in run.log.steps.values()),
+    drawn = sum(1 for ev in run.log.steps.values() if any(math.isfinite(_number(e.get("loss"))) for e in ev))
+    return {"generations": len(run.log.steps), "generations_drawn": drawn,
+            "steps": sum(len(ev) for ev in run.log.steps.values()),
             "validations": len(dict(run.log.validations)),
             "incidents": len(incidents), "checkpoints": len(run.log.checkpoints),
             "superseded_steps": {g: list(span) for g, span in sorted(run.superseded.items())},
             "skipped_steps": [list(s) for s in run.skipped if s], "labels": run.labels}
+
+
+def loss_limits(losses: Sequence[float]) -> tuple[float, float, list[float]] | None:
+    """The loss axis's range, and the values above it: one spike (a drill's 16.0 among losses near 3) would
+    flatten every other step into a line, so the top is the 99.5th percentile plus half the range below it,
+    and what stands above is marked at the top edge instead. None: no finite loss."""
+    finite = sorted(v for v in losses if math.isfinite(v))
+    if not finite:
+        return None
+    lo = finite[0]
+    q = finite[min(len(finite) - 1, int(0.995 * len(finite)))]
+    hi = max(q + 0.5 * (q - lo), lo + 1e-6)
+    margin = 0.03 * (hi - lo)
+    return lo - margin, hi + margin, [v for v in finite if v > hi + margin]
 
 
 def _draw_curves(plt, panels, run: _Run) -> list:
@@ -337,10 +353,13 @@ def _draw_curves(plt, panels, run: _Run) -> list:
         tail = [e for e in events if e["step"] >= cut]
         if kept and tail:       # join the dashed tail to the solid part
             tail = [kept[-1], *tail]
+        if not any(math.isfinite(_number(e.get("loss"))) for e in events):
+            continue            # nothing of it would be drawn: not listed either
         for ax, key in zip(panels, ("loss", "lr", "tokens_per_s")):
             for part, style in ((kept, {"lw": 0.9}), (tail, {"lw": 0.9, "ls": "--", "alpha": 0.5})):
-                if part:
-                    ax.plot([e["step"] for e in part], [_number(e.get(key)) for e in part], color=color, **style)
+                if part:        # one step alone is a dot (a line of one point draws nothing)
+                    ax.plot([e["step"] for e in part], [_number(e.get(key)) for e in part], color=color,
+                            **style, **({"marker": "o", "ms": 2.5} if len(part) == 1 else {}))
         handles.append(Line2D([], [], color=color, lw=1.2, label=f"generation {gen}"))
     if run.superseded:
         handles.append(Line2D([], [], color="0.4", lw=1, ls="--", alpha=0.6, label="superseded (trained again)"))
@@ -349,6 +368,15 @@ def _draw_curves(plt, panels, run: _Run) -> list:
         panels[0].plot(sorted(by_step), [by_step[s] for s in sorted(by_step)], color="black", lw=1, ls=":",
                        marker="o", ms=3.5, zorder=4)
         handles.append(Line2D([], [], color="black", lw=1, ls=":", marker="o", ms=3.5, label="validation loss"))
+    limits = loss_limits([_number(e.get("loss")) for ev in run.log.steps.values() for e in ev])
+    if limits is not None:
+        lo, hi, above = limits
+        panels[0].set_ylim(lo, hi)
+        if above:
+            steps = [e["step"] for ev in run.log.steps.values() for e in ev if _number(e.get("loss")) > hi]
+            panels[0].plot(steps, [hi] * len(steps), "^", ms=5, color="tab:red", ls="none", clip_on=False, zorder=5)
+            handles.append(Line2D([], [], marker="^", ms=5, color="tab:red", ls="none",
+                                  label=f"loss above the axis (max {max(above):.4g})"))
     for ax, name in zip(panels, ("loss", "learning rate", "tokens/s")):
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
@@ -386,7 +414,7 @@ def _draw_strip(ax, markers: Sequence[Marker], run: _Run) -> list:
     ax.spines["bottom"].set_color("0.75")
     ax.tick_params(left=False, labelleft=False, bottom=False, labelbottom=False)
     ax.set_title(f"{run.name}: {run.state.status}, generation {run.state.generation}, "
-                 f"{len(run.incidents)} incident(s)", loc="left", fontsize=10)
+                 f"{len(run.incidents)} incident(s){verdicts_text(run.state)}", loc="left", fontsize=10)
     handles = []
     if run.log.checkpoints:
         gone = [(g, s) for g, s in run.log.checkpoints if g in run.superseded and s >= run.superseded[g][0]]
@@ -407,6 +435,18 @@ def _draw_strip(ax, markers: Sequence[Marker], run: _Run) -> list:
                             arrowprops={"arrowstyle": "->", "lw": 0.8, "color": COLORS.get(record.kind.value,
                                                                                          "tab:blue")}, zorder=2)
     return handles
+
+
+def verdicts_text(state: RunState) -> str:
+    """What triage found and what it left out, for the title: `; triage: transient 2, device 1; quarantined:
+    node 0 device 1` (empty when neither happened)."""
+    parts = []
+    if state.triage:
+        parts.append("triage: " + ", ".join(f"{v} {n}" for v, n in sorted(state.triage.items())))
+    held = sorted(k for k, e in state.lemons.items() if e.get("quarantines"))
+    if held:
+        parts.append("quarantined: " + ", ".join(held))
+    return "".join(f"; {p}" for p in parts)
 
 
 def _draw_listing(fig, ax_side, legend, incidents: Sequence[IncidentRecord], labels: Sequence[str]) -> None:

@@ -86,8 +86,25 @@ def test_plot_reads_a_sparse_log_with_a_nan_step_and_labels_a_drill(tmp_path):
     # the two throughput warnings are not incidents: neither listed nor counted
     assert info["labels"] == ["non_finite (drill) -> rollback to 20, skip step 23 (samples 176\u2013184)"]
     assert info["incidents"] == 1
+    assert info["generations_drawn"] == 2          # both have finite losses to draw
     assert info["skipped_steps"] == [[23, 23]]
     assert info["superseded_steps"] == {1: [23, 23]}        # 21-22 were not logged, 23 was
     assert info["checkpoints"] == 4 and info["steps"] == 9       # 10, 20; 30, 40
     assert info["validations"] == 4                              # the validation loss after each of them
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_generation_with_nothing_to_draw_is_not_listed_and_a_lone_step_is_a_dot(tmp_path):
+    """Generation 2 crashed after one step whose loss was NaN: nothing of it can be drawn, so it is not in the
+    legend; generation 3's single step is drawn as a dot."""
+    run = tmp_path / "run"
+    lines = []
+    for gen, steps, loss in ((1, range(1, 11), 3.0), (2, [11], "nan"), (3, [11], 2.9)):
+        for n in steps:
+            lines.append(json.dumps({"kind": "step", "generation": gen, "rank": 0, "step": n, "loss": loss,
+                                     "lr": 1e-3, "tokens_per_s": 1e5}))
+    (run / "logs").mkdir(parents=True)
+    (run / "logs" / "rank-0.log").write_text("\n".join(lines) + "\n")
+    RunState(generation=3, status="finished").save(run)
+    info = plot.plot(run, tmp_path / "loss.png")
+    assert (info["generations"], info["generations_drawn"]) == (3, 2)

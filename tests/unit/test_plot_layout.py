@@ -131,3 +131,26 @@ def test_markers_never_overlap(xs, rows, texts):
 ])
 def test_a_marker_shortens_runs_of_numbers(numbers, text):
     assert Marker(0.0, 0, numbers).text == text
+
+
+def test_one_spike_does_not_flatten_the_loss_axis():
+    """A drill's 16.0 among losses between 2.5 and 3.5: the axis keeps the curve readable and names what
+    stands above it; without an outlier the axis holds every value."""
+    from cli.plot import loss_limits
+
+    losses = [3.5 - i / 1000 for i in range(1000)] + [16.0]
+    lo, hi, above = loss_limits(losses)
+    assert lo < 2.501 and 3.5 < hi < 4.2 and above == [16.0]
+    lo, hi, above = loss_limits([3.0, float("nan"), 2.0, 2.5])
+    assert lo < 2.0 and hi >= 3.0 and above == []
+    assert loss_limits([float("nan")]) is None
+
+
+def test_the_title_says_what_triage_found_and_which_devices_sit_out():
+    from cli.plot import verdicts_text
+    from daemon.records.state import RunState
+
+    state = RunState(triage={"transient": 2, "device": 1},
+                     lemons={"node 0 device 1": {"faults": [], "quarantines": 1}, "node 0 device 0": {"faults": []}})
+    assert verdicts_text(state) == "; triage: device 1, transient 2; quarantined: node 0 device 1"
+    assert verdicts_text(RunState()) == ""
