@@ -64,6 +64,22 @@ def _in_force(state: RunState) -> dict[str, Any] | None:
 ENDED_STATUSES = ("finished", "stopped", "gave_up", "failed")     # the daemon's last word: it exited
 
 
+def _node_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row a machine of a multi-node run: its state, its daemon (or that it was lost, or ended), whether
+    it decides, what it waits for."""
+    rows = []
+    for n in s.get("nodes") or []:
+        # a daemon that ended the run holds no lease: it ended, it was not lost
+        ended = n["lease"] is False and n["status"] in ENDED_STATUSES
+        lease = {None: "", True: f", daemon {n['daemon']}", False: ", daemon LOST (no etcd lease)"}[n["lease"]]
+        lease = ", daemon ended" if ended else lease
+        decides = ", decides" if n["node"] == s.get("decider") else ""
+        waiting = f"; {n['waiting']}" if n.get("waiting") and n["lease"] is not False else ""
+        rows.append((f"node {n['node']}", f"{n['status']}, generation {n['generation']}, step "
+                                          f"{'-' if n['step'] is None else n['step']}{lease}{decides}{waiting}"))
+    return rows
+
+
 def node_dirs(run_dir: Path) -> list[Path]:
     """A multi-node run's per-node directories (state, lock, control), node 0 first; [] on one machine."""
     nodes = run_dir / "nodes"
@@ -247,15 +263,7 @@ def render(s: dict[str, Any]) -> str:
     if s["unsupervised_pids"]:
         rows.append(("WARNING", f"the daemon is not running but processes of this run are: pids "
                                 f"{', '.join(map(str, s['unsupervised_pids']))} (start the daemon: it reaps them)"))
-    for n in s.get("nodes") or []:
-        # a daemon that ended the run holds no lease: it ended, it was not lost
-        ended = n["lease"] is False and n["status"] in ENDED_STATUSES
-        lease = {None: "", True: f", daemon {n['daemon']}", False: ", daemon LOST (no etcd lease)"}[n["lease"]]
-        lease = ", daemon ended" if ended else lease
-        decides = ", decides" if n["node"] == s.get("decider") else ""
-        waiting = f"; {n['waiting']}" if n.get("waiting") and n["lease"] is not False else ""
-        rows.append((f"node {n['node']}", f"{n['status']}, generation {n['generation']}, step "
-                                          f"{'-' if n['step'] is None else n['step']}{lease}{decides}{waiting}"))
+    rows += _node_rows(s)
     if s.get("coordinator") == "unreachable":
         rows.append(("coordinator", "etcd unreachable (node liveness unknown)"))
     width = max(len(k) for k, _ in rows)

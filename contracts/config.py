@@ -302,6 +302,9 @@ class HealthConfig:
     hang_start_timeout_s: float = 600.0  # from process start to the first event (imports, cluster forming, restore)
     hang_compile_timeout_s: float = 900.0  # for the first step (graph compilation)
     hang_checkpoint_timeout_s: float = 600.0  # for the final save's commit
+    stall_floor_s: float = 10.0          # a rank stuck this long in one phase of a step (its phase board) while the
+                                         # others wait for it is named and the generation restarted: after max(this,
+                                         # hang_step_multiplier x p99 step time), once this generation has a step time
     max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint: exit 3
     straggler_action: str = "warn"       # a rank the others wait for: "warn", "restart" the generation, or "exclude"
                                          # its device (several machines: its machine) as a faulty one, when
@@ -315,7 +318,7 @@ class HealthConfig:
 
     def __post_init__(self) -> None:
         for key in ("hang_floor_s", "hang_step_multiplier", "hang_start_timeout_s", "hang_compile_timeout_s",
-                    "hang_checkpoint_timeout_s", "restart_backoff_max_s"):
+                    "hang_checkpoint_timeout_s", "stall_floor_s", "restart_backoff_max_s"):
             _in_range(f"health.{key}", getattr(self, key), 0.0, 1e7, open_low=True)
         _in_range("health.restart_backoff_initial_s", self.restart_backoff_initial_s, 0.0,
                   self.restart_backoff_max_s)

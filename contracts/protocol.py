@@ -311,6 +311,7 @@ ENV_LOCAL_GROUP = "LLM_PRETRAIN_LOCAL_GROUP"     # path prefix of the group's sh
 ENV_LOCAL_RANK = "LLM_PRETRAIN_LOCAL_RANK"       # this rank, 0 .. world - 1
 ENV_LOCAL_WORLD = "LLM_PRETRAIN_LOCAL_WORLD"     # the ranks in the group
 ENV_GROUP_HUB = "LLM_PRETRAIN_GROUP_HUB"         # host:port of a group's TCP hub (ranks on several machines)
+ENV_PHASE_BOARD = "LLM_PRETRAIN_PHASE_BOARD"     # path prefix of the generation's phase board (contracts.phase_board)
 
 
 def activation_line(env: dict[str, str]) -> bytes:

@@ -202,7 +202,7 @@ class Supervisor:
             for e in ended:
                 w.on_exit(e.rank, e.code, now, oom_kills=e.oom_kills, peak_bytes=e.peak_bytes,
                           device_oom_line=e.device_oom_line, refusal=e.refusal, error_line=e.error_line)
-            outcome = w.tick(now)
+            outcome = w.tick(now, phases=gen.phases(), stopped=gen.stopped())
             self._apply(w.drain(), gen)
             if outcome is not None:
                 return outcome

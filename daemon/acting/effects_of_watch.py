@@ -45,6 +45,8 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.checkpoint_committed(e.step)
             _disk_space(ledger, files, e.step)
         elif isinstance(e, watch.DumpStacks):
+            for rank in e.native:        # before the signals: a stopped rank's state as it was found
+                ledger.emit("stacks", level="error", rank=rank, **gen.native_state(rank))
             gen.dump_stacks(e.ranks)
 
 

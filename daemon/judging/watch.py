@@ -23,7 +23,8 @@ from typing import Any, Mapping, Sequence
 from contracts.config import Config
 from contracts.protocol import (FINAL_WORKER_CODES, CheckpointEvent, DataFaultEvent, EvalEvent, ExitEvent,
                                 FingerprintEvent, PhaseEvent, StepEvent)
-from daemon.judging import hang
+from contracts.phase_board import Slot
+from daemon.judging import hang, stall
 from daemon.judging.health import HealthMonitor
 from daemon.judging.incidents import Incident, Kind
 from daemon.judging.policy import NUMERIC
@@ -144,8 +145,10 @@ class CheckpointFailed:
 
 @dataclasses.dataclass(frozen=True)
 class DumpStacks:
-    """Ask these live ranks for their Python stacks (faulthandler on SIGUSR1)."""
+    """Ask these live ranks for their Python stacks (faulthandler on SIGUSR1), in this order; `native`: ranks
+    whose kernel-side state (stopped? waiting where? /proc) is read too — a stopped process cannot answer."""
     ranks: tuple[int, ...]
+    native: tuple[int, ...] = ()
 
 
 Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | Saving | CheckpointFailed
@@ -243,6 +246,8 @@ class Watch:
         self.log_paths = dict(log_paths or {})
         self.progress = {r: hang.RankProgress(since_s=now) for r in self.ranks}
         self.step_times = hang.StepTimes()
+        self.phases: dict[int, Slot] = {}    # where each rank of this machine is inside its step (its phase board)
+        self.stopped: frozenset[int] = frozenset()      # its ranks whose process is stopped (SIGSTOP)
         self.stragglers = StragglerDetector(cfg.health, self.ranks)
         self.replicas = ReplicaCheck(self.ranks)
         self.pause = Pause.RUNNING
@@ -504,7 +509,14 @@ class Watch:
                  Send("stop"))
 
     # The judgement --------------------------------------------------------------------------
-    def tick(self, now: float) -> Outcome | None:
+    def tick(self, now: float, phases: Mapping[int, Slot] | None = None,
+             stopped: frozenset[int] | None = None) -> Outcome | None:
+        """`phases`: where each rank of this machine is inside its step now (contracts.phase_board); `stopped`:
+        the ranks whose process is stopped (the kernel's word)."""
+        if phases is not None:
+            self.phases = dict(phases)
+        if stopped is not None:
+            self.stopped = frozenset(stopped)
         out = self._tick(now)
         return Failed(self._labelled(out.incident)) if isinstance(out, Failed) else out
 
@@ -539,7 +551,7 @@ class Watch:
                 return Stopped(self._final_step(exited=True))
             step = self._final_step(exited=True)
             return Released(step) if "released" in reasons else Finished(step)
-        return self._hang(now)
+        return self._stall(now) or self._hang(now)
 
     def _final_step(self, exited: bool = False) -> int | None:
         """The step the ranks ended at, from their exit events; ranks that all `exited` without one
@@ -567,6 +579,30 @@ class Watch:
                                          "error": ended.error_line}))
         return Failed(Incident(kind=Kind.CRASH, first_step=step, last_step=step, rank=rank, exit_code=code,
                                detail=f"rank {rank}: {cause}{said}"))
+
+    def _stall(self, now: float) -> Outcome | None:
+        """A rank stuck inside a step while the others wait for it (daemon.judging.stall): named, its stacks
+        (then the others') dumped, the generation ended, in seconds where the hang check waits a minute."""
+        live = [r for r in self.ranks if r not in self._exits]
+        if self.pause is not Pause.RUNNING or self.stop_sent_at is not None:
+            return None
+        slots = {r: s for r, s in self.phases.items() if r in live and self.progress[r].phase == "train"}
+        limit = stall.limit_s(self.step_times.p99(), floor_s=self.cfg.health.stall_floor_s,
+                              multiplier=self.cfg.health.hang_step_multiplier)
+        found = stall.judge(slots, now, limit=limit, stopped=self.stopped)
+        if found is None:
+            return None
+        rank = found.culprits[0] if found.culprits else found.waiting[0]
+        first = [*found.culprits, *(r for r in live if r not in found.culprits)]      # the culprits' stacks first
+        evidence = {"phase": found.phase, "waited_s": found.stuck_s, "timeout_s": round(found.limit_s, 2),
+                    "culprits": list(found.culprits), "waiting": list(found.waiting),
+                    "suspects": list(found.culprits), "homes": self._homes(found.culprits)}
+        self._do(DumpStacks(tuple(first), native=found.culprits),
+                 Note("hang", "error", {"rank": rank, "step": found.step, "detail": found.describe(),
+                                        "log": self.log_paths.get(rank, ""), **evidence}))
+        return Failed(Incident(kind=Kind.HANG, first_step=found.step, last_step=found.step,
+                               rank=found.culprits[0] if found.culprits else None, detail=found.describe(),
+                               evidence=evidence))
 
     def _hang(self, now: float) -> Outcome | None:
         live = tuple(r for r in self.ranks if r not in self._exits)

@@ -22,7 +22,9 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Sequence
 
+from contracts import phase_board
 from contracts.config import Config
+from contracts.phase_board import Slot
 from contracts.protocol import FINAL_WORKER_CODES, MAX_SOCKET_PATH_BYTES, decode_event
 from daemon.processes import memcg, mindspore_env, rank_log
 
@@ -319,15 +321,58 @@ class Generation:
                                 if code > 0 and code not in FINAL_WORKER_CODES else None))
         return out
 
+    def phases(self) -> dict[int, Slot]:
+        """Where each rank is inside its step now (contracts.phase_board), for the watch's stall check."""
+        if self.port is None:
+            return {}
+        return phase_board.read(phase_board_prefix(port=self.port, generation=self.number), [w.rank for w in self.ranks])
+
     def dump_stacks(self, ranks: Sequence[int]) -> None:
-        """faulthandler in each worker writes every thread's Python stack to its log on SIGUSR1."""
-        for w in self.ranks:
-            if w.rank in ranks:
+        """faulthandler in each worker writes every thread's Python stack to its log on SIGUSR1, in the
+        order given (the culprit first)."""
+        by_rank = {w.rank: w for w in self.ranks}
+        for rank in ranks:
+            if rank in by_rank:
                 try:
-                    os.kill(w.pid, signal.SIGUSR1)
+                    os.kill(by_rank[rank].pid, signal.SIGUSR1)
                 except ProcessLookupError:
                     pass
         time.sleep(STACK_DUMP_WAIT_S)
+
+    def stopped(self) -> frozenset[int]:
+        """Ranks whose process is stopped (state T or t in /proc/<pid>/stat: SIGSTOP, a tracer)."""
+        out = set()
+        for w in self.ranks:
+            try:
+                stat = Path(f"/proc/{w.pid}/stat").read_text()
+            except OSError:
+                continue
+            if stat[stat.rfind(")") + 2:][:1] in ("T", "t"):
+                out.add(w.rank)
+        return frozenset(out)
+
+    def native_state(self, rank: int) -> dict:
+        """What the kernel says of a rank's process, which a stopped one cannot say itself: its state
+        (`T (stopped)`), where each thread waits (wchan) and, where readable (root), its kernel stack."""
+        w = next((w for w in self.ranks if w.rank == rank), None)
+        if w is None:
+            return {}
+        out: dict = {"pid": w.pid}
+        try:
+            status = Path(f"/proc/{w.pid}/status").read_text()
+            out["state"] = next((l.split(":", 1)[1].strip() for l in status.splitlines() if l.startswith("State:")), "")
+            threads = {}
+            for task in sorted(Path(f"/proc/{w.pid}/task").iterdir(), key=lambda p: int(p.name))[:16]:
+                wchan = (task / "wchan").read_text().strip() if (task / "wchan").exists() else ""
+                try:
+                    kernel = [l.split(" ", 1)[-1] for l in (task / "stack").read_text().splitlines()[:4]]
+                except OSError:
+                    kernel = []
+                threads[task.name] = {"wchan": wchan or "-", **({"kernel": kernel} if kernel else {})}
+            out["threads"] = threads
+        except OSError as e:                      # gone meanwhile, or not ours to read
+            out["error"] = e.strerror or str(e)
+        return out
 
     def memory_report(self) -> dict | None:
         groups = {w.rank: w.group for w in self.ranks if w.group is not None}
@@ -343,7 +388,7 @@ class Generation:
         stop_all(self.workers, grace_s=self.grace_s)
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
-        if self.port is not None and mindspore_env.sums_through_shared_memory(self.cfg):
+        if self.port is not None:           # a local group's files, every generation's phase board
             mindspore_env.remove_group_files(mindspore_env.local_group_prefix(port=self.port, generation=self.number))
         self.final_memory = self.memory_report()
         for w in self.ranks:
@@ -351,14 +396,22 @@ class Generation:
                 w.group.remove()
 
 
+def phase_board_prefix(*, port: int, generation: int) -> Path:
+    """Where a generation's ranks say where they are inside each step (contracts.phase_board): beside the
+    generation's shared-memory group files, removed with them."""
+    prefix = mindspore_env.local_group_prefix(port=port, generation=generation)
+    return prefix.with_name(prefix.name + ".phases")
+
+
 def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int) -> dict[str, str]:
     """A rank's environment: `base` plus, with more than one rank, MindSpore's dynamic cluster's."""
-    from contracts.protocol import ENV_DEVICE, ENV_GENERATION
+    from contracts.protocol import ENV_DEVICE, ENV_GENERATION, ENV_PHASE_BOARD
     from daemon.judging.quarantine import VISIBLE, machine_devices
 
     world = cfg.parallel.world_size
     devices = machine_devices(cfg, base)          # this machine's, less any quarantined (daemon/judging/quarantine.py)
-    placed = {**base, VISIBLE: ",".join(map(str, devices)), ENV_DEVICE: str(devices[rank % len(devices)])}
+    placed = {**base, VISIBLE: ",".join(map(str, devices)), ENV_DEVICE: str(devices[rank % len(devices)]),
+              ENV_PHASE_BOARD: str(phase_board_prefix(port=port, generation=generation))}
     if world == 1:
         return {**placed, ENV_GENERATION: str(generation)}
     if mindspore_env.is_local_group(cfg):

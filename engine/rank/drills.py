@@ -22,7 +22,7 @@ Honoured only with `health.allow_fault_injection = true`.
     corrupt-weight  one bit of one weight flips on this rank, once (a low mantissa bit of the first
            parameter's first element): silent — no loss or gradient shows it — until the replicas'
            fingerprints are compared (health.fingerprint_interval_steps)
-    hang   the rank stops stepping for `seconds` (default: an hour)
+    hang   the rank stops inside a step's compute for `seconds` (default: an hour)
     crash  the rank SIGKILLs itself
     slow   `seconds` (default 0.5) of sleep before each step of the window
     oom    the rank allocates memory until its memory cgroup's limit kills it (only when it
@@ -115,8 +115,9 @@ class Drills:
             self.log(f"drill: flipping one bit of one weight before step {step}")
         return due
 
-    def before_step(self, step: int) -> tuple[float, bool]:
-        """Runs the process-level faults due before `step`; returns (poison, corrupt) for the step."""
+    def before_step(self, step: int, entering=None) -> tuple[float, bool]:
+        """Runs the process-level faults due before `step`; returns (poison, corrupt) for the step.
+        `entering(phase)`: where the rank says it is (its phase board): a hang is inside the step's compute."""
         for d in self.pending:
             if d.fault == "faulty-rank" and step >= d.first_step and not self.faulty:
                 self._turn_faulty(step)
@@ -133,7 +134,9 @@ class Drills:
             elif d.fault == "slow":
                 time.sleep(d.seconds)
             elif d.fault == "hang" and step == d.first_step:
-                self.log(f"drill: hanging for {d.seconds:g} s before step {step}")
+                self.log(f"drill: hanging for {d.seconds:g} s in step {step}'s compute")
+                if entering is not None:
+                    entering("compute")         # as a kernel that never returns would leave it
                 time.sleep(d.seconds)
             elif d.fault == "crash" and step == d.first_step:
                 self.log(f"drill: SIGKILL before step {step}")

@@ -20,11 +20,13 @@ from typing import Any, Iterator, Sequence, TextIO
 import numpy as np
 
 from contracts.config import Config
+from contracts.phase_board import PhaseWriter
 from contracts.protocol import (
     AUTO_FIRST_STEPS,
     ENV_COMMANDS,
     ENV_EVENT_SOCKET,
     ENV_GENERATION,
+    ENV_PHASE_BOARD,
     ENV_RECOVERY,
     ENV_RERUN,
     DataFaultEvent,
@@ -68,6 +70,7 @@ class Trainer:
         self._fed: Iterator[FedStep] | None = None
         self._last_end: float | None = None     # when the previous step ended (host time since: host_s)
         self.agreed_control: tuple[int, ...] = ()
+        self.phases = None                 # contracts.phase_board.PhaseWriter, under a daemon (attach_phases)
         self.rotation = (0, 0, -1)         # a rotated rerun's (k, first step, last step): see rotate
 
     def compile_step(self) -> None:
@@ -136,6 +139,7 @@ class Trainer:
                              share=lambda indices: parallelism.rank_batch(indices, self.share_of(next(steps))),
                              global_batch=t.global_batch, skips=self.skips,
                              prefetch_steps=self.cfg.data.prefetch_steps)
+        self._mark("data")
         fed = next(self._fed, None)
         if fed is None:
             raise RuntimeError(f"the input pipeline is exhausted after step {self.step} of {t.steps}")
@@ -147,8 +151,10 @@ class Trainer:
             batch = rng.integers(0, self.cfg.model.vocab_size, size=batch.shape, dtype=batch.dtype)
         computing = time.perf_counter()
         host_s = computing - (self._last_end if self._last_end is not None else started)
+        self._mark("compute")
         result = self.step_fn.run(batch, lr, poison=poison, control=control)
         self._last_end = time.perf_counter()
+        self._mark("between", self.step + 1)
         step_s = self._last_end - started
         sample_start, sample_end = fed.sample_start, fed.sample_end
         self.step += 1
@@ -161,6 +167,20 @@ class Trainer:
                          sample_end=sample_end, tokens=tokens, step_s=step_s, data_wait_s=data_wait_s,
                          tokens_per_s=tokens / step_s, host_s=host_s, sync_s=result.sync_s,
                          rank_losses=result.rank_losses, rank_grad_norms=result.rank_grad_norms)
+
+    def _mark(self, phase: str, step: int | None = None) -> None:
+        """This rank enters `phase` of step `step` (default: the one under way), on its phase board."""
+        if self.phases is not None:
+            step = self.step + 1 if step is None else step
+            if phase == "compute" and hasattr(self.step_fn, "phase_step"):
+                self.step_fn.phase_step = step           # the step's own marks (the gradient sum, the update)
+            self.phases.enter(phase, step)
+
+    def attach_phases(self, writer) -> None:
+        """The rank's phase board (contracts.phase_board.PhaseWriter): the trainer and its step write to it."""
+        self.phases = writer
+        if hasattr(self.step_fn, "phases"):
+            self.step_fn.phases = writer
 
     def apply_recovery(self, recovery: RecoveryDirective, restored_step: int) -> int:
         """The policy's directive after a rollback (see contracts.protocol.RecoveryDirective); returns the step
@@ -281,12 +301,19 @@ class RankRun:
     def phase(self, name: str, step: int = 0, **more) -> None:
         self.sink.emit(PhaseEvent(rank=self.rank_info.rank, generation=self.generation, phase=name, step=step, **more))
 
+    def board(self, phase: str) -> None:
+        """This rank's place on its phase board, outside a step (saving, evaluating, paused, between)."""
+        if self.trainer is not None and self.trainer.phases is not None:
+            self.trainer.phases.enter(phase, self.trainer.step)
+
     def restore(self, *, allow_config_change: bool) -> None:
         from engine.rank.checkpoint import TrainerCheckpoints
 
         cfg, env, rank_info = self.cfg, self.env, self.rank_info
         self.phase("restore")
         trainer = self.trainer = Trainer(cfg, rank_info, generation=self.generation, source=self.source)
+        if env.get(ENV_PHASE_BOARD):          # the daemon reads where this rank is inside each step
+            trainer.attach_phases(PhaseWriter(env[ENV_PHASE_BOARD], rank_info.rank))
         self.clock.mark("build")
         # Under the supervisor, retention is its job: it knows which checkpoints its incidents still need.
         retain = rank_info.rank == 0 and not env.get(ENV_EVENT_SOCKET)
@@ -338,7 +365,7 @@ class RankRun:
         control = np.concatenate([[int(self.stop.requested)], self.commands.encode(self.applied)]).astype(np.int32)
         if self.drills.corrupts_weight(trainer.step + 1):
             trainer.flip_weight_bit()
-        poison, corrupt = self.drills.before_step(trainer.step + 1)
+        poison, corrupt = self.drills.before_step(trainer.step + 1, entering=trainer._mark)
         try:
             event = trainer.train_step(control=control, poison=poison, corrupt=corrupt)
         except CorruptBlockError as e:
@@ -380,10 +407,10 @@ class RankRun:
             return
         metrics = {"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr, "loss_scale": event.loss_scale}
         in_memory = self.cfg.checkpoint.memory_interval_steps and self.intervals["memory_interval_steps"]
-        if save_now:
-            self.ckpt.save(metrics)
-        elif in_memory and event.step % in_memory == 0:
-            self.ckpt.save(metrics, memory=True)             # the RAM tier, between disk saves
+        if save_now or (in_memory and event.step % in_memory == 0):
+            self.board("save")
+            self.ckpt.save(metrics, **({} if save_now else {"memory": True}))   # the RAM tier, between disk saves
+            self.board("between")
 
     def _fingerprint(self, step: int) -> None:
         """Every health.fingerprint_interval_steps, this replica's digest to the supervisor, which compares
@@ -415,6 +442,7 @@ class RankRun:
         self.phase("eval", step)
         if rank != 0:
             return
+        self.board("eval")
         from engine.training.evaluate import Evaluator
 
         if not self.evaluator:
@@ -423,20 +451,25 @@ class RankRun:
         sequences = int(self.held_out.shape[0] * self.held_out.shape[1])
         self.sink.emit(EvalEvent(rank=rank, generation=self.generation, step=step, loss=loss, perplexity=perplexity,
                                  sequences=sequences, tokens=sequences * (self.held_out.shape[2] - 1), seconds=seconds))
+        self.board("between")
 
     def _pause(self) -> str:
         """Every rank agreed on this step; the checkpoint is committed before holding, so the supervisor
         may release the devices at any time and resume from it. Returns resume, stop or release."""
+        self.board("save")
         self.ckpt.wait()
         self.phase("paused", self.trainer.step)
+        self.board("paused")
         outcome, self.applied = _hold(self.commands, self.applied, self.stop)
         if outcome == "resume":
             self.phase("train", self.trainer.step)
+            self.board("between")
         return outcome
 
     def finish(self, reason: str) -> ExitEvent:
         trainer = self.trainer
         self.phase("checkpoint", trainer.step)
+        self.board("save")
         ok = self.ckpt.wait()
         if ok and not self.simulated:
             self.ckpt.drop_memory_tier()                       # the final checkpoint is on disk

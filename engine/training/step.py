@@ -19,11 +19,10 @@ Invariants (README, Numerics):
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 import mindspore as ms
 import numpy as np
@@ -55,6 +54,8 @@ class TrainStep(StepState):
         self.dp = reduction.divide_by
         # a local group (no MindSpore cluster: engine/rank/runtime.py) has no AllReduce to make
         self.all_reduce = ops.AllReduce() if reduction.hand_all_reduce and local_reduce is None else None
+        self.phases = None          # the rank's contracts.phase_board.PhaseWriter, if its daemon reads one
+        self.phase_step = 0
         # Each rank's own loss and gradient sum of squares ride the same sum in slots of their own (a rank
         # writes its slot, the others 0): every rank learns every rank's, and the daemon can tell which rank
         # a fault came from (daemon.judging.triage). Up to PER_RANK_MAX ranks.
@@ -261,8 +262,15 @@ class TrainStep(StepState):
             how = "through shared memory" if isinstance(self.local, LocalAllReduce) else "through the group's hub"
             print(f"llm-pretrain: rank {self.local.rank} sums gradients with its {self.local.world - 1} "
                   f"peer(s) {how}", file=sys.stderr, flush=True)
+        self._mark("sum")
         summed = self.local.all_reduce(local)
+        self._mark("update")
         return [*self._apply_summed(Tensor.from_numpy(summed), lr_t), synced]
+
+    def _mark(self, phase: str) -> None:
+        """Where this rank is inside the step, for its daemon (contracts.phase_board); set by the rank."""
+        if self.phases is not None:
+            self.phases.enter(phase, self.phase_step)
 
     def compile(self, micro_batches: np.ndarray) -> None:
         """Nothing to do ahead: the first step compiles, and whole tensors load before it."""

@@ -145,6 +145,40 @@ def test_a_rank_that_stops_stepping_is_detected_and_restarted(cli, quiet_env, tm
           f"timeout {hang['timeout_s']} s)")
 
 
+def test_a_rank_stopped_dead_is_named_with_its_phase_in_seconds(cli, quiet_env, tmp_path, stdlib_corpus):
+    """Default health settings: rank 1 SIGSTOPped mid-run. Its phase board still says where it stopped while rank 0
+    waits for it in the gradient sum: the hang is raised with rank 1 as the culprit and its phase after
+    max(health.stall_floor_s = 10 s, 10 x p99 step) — not after the hang check's 60 s floor, nor naming rank 0,
+    the one that waits — its kernel state read before the teardown, and the run trains on to its end."""
+    proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "health.allow_fault_injection=true", steps=400)
+    _wait_for(lambda: _last_step(run) >= 30, what="step 30")
+    pid = next(p["pid"] for p in RunState.load(run).processes if p.get("role") == "rank" and p.get("rank") == 1)
+    os.kill(pid, signal.SIGSTOP)
+    stopped = time.monotonic()
+    _wait_for(lambda: _named(_events(run), "hang"), what="the stopped rank to be named", timeout_s=120)
+    latency = time.monotonic() - stopped
+    # then rank 0 stuck inside a step's compute (the hang drill: as a kernel that never returns)
+    _wait_for(lambda: len(_named(_events(run), "generation_start")) >= 2 and _last_step(run) >= 60, what="step 60")
+    with open(run / "commands.jsonl", "a") as f:
+        f.write(Command(seq=1, name="inject", args={"fault": "hang", "rank": 0, "seconds": 3600}).to_json() + "\n")
+    _wait_for(lambda: len(_named(_events(run), "hang")) >= 2, what="the hung rank to be named", timeout_s=120)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-2000:]
+    hang = _named(_events(run), "hang")[0]
+    assert hang["rank"] == 1 and hang["culprits"] == [1] and hang["waiting"] == [0], hang
+    assert hang["phase"] in ("data", "compute", "sum", "update", "between", "save"), hang
+    assert hang["timeout_s"] >= 10 and hang["waited_s"] >= hang["timeout_s"]
+    assert latency < 60, f"named {latency:.1f} s after the stop: no sooner than the hang check's floor"
+    stacks = _named(_events(run), "stacks")[0]
+    assert stacks["rank"] == 1 and stacks["state"].startswith("T"), stacks       # read while it was stopped
+    assert _named(_events(run), "restart")[0]["cause"] == "hang"
+    hung = _named(_events(run), "hang")[1]
+    assert (hung["rank"], hung["phase"], hung["waiting"]) == (0, "compute", [1]), hung
+    assert hung["waited_s"] < 60
+    print(f"stopped rank named {latency:.1f} s after SIGSTOP (limit {hang['timeout_s']} s, phase {hang['phase']}); "
+          f"the hung one after {hung['waited_s']} s in {hung['phase']}")
+
+
 def test_kill_9_of_the_supervisor_then_restart(cli, quiet_env, tmp_path, stdlib_corpus):
     """Its ranks stop within seconds (the parent-death signal): they save at their next step and
     exit; a new daemon resumes from that commit and reaps whatever of the old generation is left (the

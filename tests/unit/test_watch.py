@@ -543,3 +543,35 @@ def test_the_watched_ranks_saves_are_timed_for_an_auto_interval():
     assert saving == [watch.Saving("disk", "staged", 3, 0.25), watch.Saving("memory", "staged", 3, 0.01),
                       watch.Saving("memory", "committed", 3, 0.5)]
     assert w.saving and w.stalled_s(100.0) == 0.0          # the disk save is unsettled; the RAM tier's never is
+
+
+def test_a_rank_stuck_in_its_step_is_named_from_the_phase_board_before_the_hang_timeout():
+    """stall_floor_s 10 s, steps of 0.1 s: rank 1 stops in its compute at t=10 while rank 0 waits in the gradient
+    sum: at 20.5 s the watch names rank 1 and its phase, asks for rank 1's stacks (and kernel state) first, and
+    ends the generation — where the hang check alone (a floor of 60 s by default) would still wait."""
+    from contracts.phase_board import Slot
+    from daemon.judging.watch import DumpStacks
+
+    cfg = load_config(None, ["health.stall_floor_s=10", "health.hang_floor_s=60", "parallel.dp=2",
+                             "train.micro_batch=4", "train.steps=100"])
+    w = make(cfg)
+    t = steps(w, 1, 50, 5.0)                                  # compiled, stepping: 0.1 s steps known
+    board = {0: Slot(0, "sum", 51, 10.0), 1: Slot(1, "compute", 51, 9.95)}
+    assert w.tick(19.0, phases=board) is None                # 9 s: within the limit
+    w.drain()
+    out = w.tick(20.5, phases=board)
+    assert isinstance(out, Failed) and out.incident.kind is Kind.HANG and out.incident.rank == 1
+    assert out.incident.evidence["phase"] == "compute" and out.incident.evidence["waiting"] == [0]
+    assert "rank 1 stuck 10.6 s in compute of step 51" in out.incident.detail
+    (dump,) = kinds(w.drain(), DumpStacks)
+    assert dump.ranks == (1, 0) and dump.native == (1,)
+
+
+def test_a_rank_saving_or_a_paused_run_is_not_a_stall():
+    from contracts.phase_board import Slot
+
+    cfg = load_config(None, ["health.stall_floor_s=10", "parallel.dp=2", "train.micro_batch=4", "train.steps=100"])
+    w = make(cfg)
+    steps(w, 1, 50, 5.0)
+    board = {0: Slot(0, "save", 50, 10.0), 1: Slot(1, "sum", 51, 10.0)}
+    assert w.tick(25.0, phases=board) is None
