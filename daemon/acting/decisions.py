@@ -45,7 +45,7 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
     _record_decision(ledger, record)                        # on disk before anything is done
-    resume = committed
+    resume = files.resume_step()                  # what the ranks restore: the RAM tier's where it is newer
     if isinstance(action, (Rollback, Rerun)):
         resume = finish_rollback(ledger, files, cause=incident.kind.value, reason=action.reason,
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
@@ -82,7 +82,7 @@ def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
         for step in layout.committed_steps(memory):
             if step > state.pending_rollback:
                 layout.retire(memory, step)
-    resume = files.committed_step()
+    resume = files.resume_step()              # the RAM tier's newest left, where it is newer than the disk's
     ledger.note_rollback_done(resume)
     ledger.emit("rollback", level="warning", checkpoint_step=resume, rolled_back_steps=moved, **fields)
     ledger.save()

@@ -56,6 +56,7 @@ class RunFiles:
         local = cfg.parallel.world_size // cfg.run.nodes
         self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
         self.node = cfg.run.node_rank          # this machine's own index (a generation's config numbers its slot)
+        self.single_machine = cfg.run.nodes == 1   # the RAM tier is resumed from on one machine only
         self._seq = 0
         self.fence_generation = 0       # several machines: commands are stamped with their generation
 
@@ -103,6 +104,14 @@ class RunFiles:
         steps = self.committed_steps()
         return steps[-1] if steps else 0
 
+    def resume_step(self) -> int:
+        """The step the ranks will resume from: the RAM tier's newest committed checkpoint where it is newer than
+        the disk's (one machine: the ranks take it when it verifies, checkpointing.reader.find_newest), else the
+        disk's newest. What restart, rollback and generation events and status report."""
+        disk = self.committed_step()
+        memory = self.memory_steps() if self.single_machine else []
+        return max([disk, *memory])
+
     # A generation's files ----------------------------------------------------------------------
     def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None,
                            rerun: dict | None = None, cadence: dict | None = None) -> int:
@@ -126,7 +135,7 @@ class RunFiles:
         self.commands.write_text("")               # commands are per generation
         if (intervals := interval_args(cfg.checkpoint, cadence)):
             self.append_command("interval", intervals)
-        return self.committed_step()
+        return self.resume_step()
 
     def append_command(self, name: str, args: dict) -> int:
         """One command line for the ranks, durable before they can read it; returns its seq."""

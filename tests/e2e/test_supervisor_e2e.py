@@ -84,14 +84,15 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
     assert crash["rank"] == 1 and crash["cause"] == "killed by signal 9" and crash["step"] <= hold - 1
     restart = _named(events, "restart")[0]
     assert restart["cause"] == "crash" and restart["rank"] == 1
-    assert restart["resume_step"] == at_kill["committed"]          # the disk's newest, decided at the crash
+    assert restart["resume_step"] == at_kill["in_memory"]          # what the ranks restore: the RAM tier's newest
     assert _named(events, "daemon_exit")[0]["reason"] == "finished"
     assert layout.committed_steps(run / "checkpoints")[-1] == STANDBY_STEPS
     start = _named(events, "generation_start")[1]
     assert start["standby"] is True and start["pids"] == _named(events, "standby_started")[0]["pids"]
     # from the RAM tier's newest commit (every 3 steps), where the disk's (every 10) would have cost more
     restored = next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
-    assert restored["step"] == at_kill["in_memory"] > restart["resume_step"]
+    assert restored["step"] == at_kill["in_memory"] == restart["resume_step"] > at_kill["committed"]
+    assert start["resume_step"] == at_kill["in_memory"]
     assert restored["path"].startswith("/dev/shm/llm-pretrain-")
     assert not list(Path("/dev/shm").glob(f"llm-pretrain-{(run / '.run-id').read_text().strip()}"))  # freed at the end
     back = next(e for e in events if e["event"] == "first_step" and e["generation"] == 2)

@@ -336,3 +336,29 @@ def test_a_memory_cgroup_this_user_cannot_create_in_is_refused_at_the_start(tmp_
     monkeypatch.setattr(memcg.os, "access", lambda path, mode: str(path) != str(parent))   # as an unprivileged user sees it
     with pytest.raises(memcg.CgroupError, match="cannot create memory cgroups under .*permission denied.*needs root"):
         memcg.locate(tmp_path, v1)
+
+
+@pytest.mark.parametrize("nodes, disk, memory, expected", [
+    (1, [10, 20], [21, 24], 24),       # the RAM tier's newest: what the ranks restore
+    (1, [10, 20], [18], 20),           # older than the disk's: the disk's
+    (1, [10, 20], [], 20),             # a wiped RAM tier (a reboot)
+    (2, [10, 20], [24], 20),           # several machines resume from the disk
+])
+def test_the_step_reported_is_the_one_the_ranks_resume_from(tmp_path, nodes, disk, memory, expected):
+    """Restart and rollback events, generation_start and the systemd STATUS line said the disk's newest (say 20)
+    while one machine's ranks restored the RAM tier's (24)."""
+    from checkpointing.writer import FORMAT, VERSION
+    from daemon.processes.run_files import RunFiles
+
+    sets = [f'run.dir="{tmp_path / "run"}"', f'checkpoint.memory_dir="{tmp_path / "shm"}"']
+    if nodes > 1:
+        sets += [f"run.nodes={nodes}", "parallel.dp=2", "train.micro_batch=4", 'run.coordinator="etcd://127.0.0.1:2379"',
+                 "run.master_port=29500"]
+    (tmp_path / "run").mkdir()
+    files = RunFiles(load_config(None, sets), {})
+    manifest = {"format": FORMAT, "version": VERSION, "shards": []}
+    for root, steps in ((files.ckpt_root, disk), (layout.memory_root(files.run_dir, tmp_path / "shm"), memory)):
+        for s in steps:
+            layout.step_dir(root, s).mkdir(parents=True)
+            (layout.step_dir(root, s) / layout.MANIFEST).write_text(json.dumps(manifest))
+    assert files.committed_step() == 20 and files.resume_step() == expected
