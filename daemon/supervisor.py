@@ -168,7 +168,8 @@ class Supervisor:
                             resume_step=resume, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
                             config_changes=self.state.config_changes or None, standby=gen.from_standby)
                 w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(), homes=opened.homes,
-                                rerun=self.state.rerun, log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
+                                rerun=self.state.rerun, drills=self.files.faulty_devices(),
+                                log_paths={r.rank: str(r.log_path) for r in gen.ranks}, stop_reason=self.stop_reason)
                 outcome = self._watch(gen, w, n)
                 if isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off"):   # multi-node
                     ledger.emit("cut_off", level="warning", detail=outcome.incident.detail)

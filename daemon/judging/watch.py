@@ -238,7 +238,9 @@ class _Exit:
 class Watch:
     def __init__(self, cfg: Config, *, generation: int, ranks: Sequence[int], monitor: HealthMonitor, now: float,
                  log_paths: Mapping[int, str] | None = None, stop_reason: str | None = None,
-                 rerun: Mapping[str, Any] | None = None, homes: Mapping[str, Sequence[int]] | None = None):
+                 rerun: Mapping[str, Any] | None = None, homes: Mapping[str, Sequence[int]] | None = None,
+                 drills: Sequence[Mapping[str, Any]] = ()):
+        """`drills`: drills in force from before this generation (a device a faulty-rank drill left faulty)."""
         self.cfg, self.generation, self.monitor = cfg, generation, monitor
         self.homes = dict(homes or {})        # rank -> [node, device] (daemon.judging.quarantine.homes): where a suspect runs
         self.ranks = list(ranks)
@@ -268,6 +270,7 @@ class Watch:
         # a generation that reruns an incident's steps (daemon.judging.triage), its data drills read again
         self.rerun = RerunCheck(rerun, cfg.health.rerun_rtol) if rerun else None
         self._drills += [dict(d) for d in (rerun or {}).get("drills") or ()]
+        self._drills += [dict(d) for d in drills]
         self._held: Incident | None = None           # the rerun's own detection of its incident, for its verdict
         self._recent: dict[int, StepEvent] = {}      # the watched rank's recent steps (what a rerun compares)
         self._status_at = self._logged_at = -1e18
@@ -526,10 +529,19 @@ class Watch:
     def _labelled(self, incident: Incident) -> Incident:
         """An incident a fault drill of this generation explains says so (evidence `drill`)."""
         for drill in reversed(self._drills):
-            if incident.kind in DRILL_KINDS.get(drill.get("fault"), ()):
+            if incident.kind in DRILL_KINDS.get(drill.get("fault"), ()) and self._drill_covers(drill, incident):
                 return dataclasses.replace(incident, evidence={**incident.evidence, "drill": drill},
                                            detail=f"{incident.detail} (a {drill['fault']} drill)".lstrip())
         return incident
+
+    def _drill_covers(self, drill: Mapping[str, Any], incident: Incident) -> bool:
+        """A faulty device left from an earlier generation explains an incident whose suspects run on it (or
+        one that names no suspect); any other drill, every incident of its kinds in its generation."""
+        if "device" not in drill:
+            return True
+        suspects = incident.evidence.get("suspects") or ([incident.rank] if incident.rank is not None else [])
+        homes = {tuple(self.homes.get(str(r), ())) for r in suspects}
+        return not suspects or (drill["node"], drill["device"]) in homes
 
     def _tick(self, now: float) -> Outcome | None:
         if self._incident is not None:

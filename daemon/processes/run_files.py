@@ -104,6 +104,16 @@ class RunFiles:
         steps = self.committed_steps()
         return steps[-1] if steps else 0
 
+    def faulty_devices(self) -> list[dict]:
+        """The devices a faulty-rank drill turned faulty for good (the ranks' markers under `<run.dir>/drills/`,
+        engine.rank.drills), as drills in force: every generation on them is labelled a drill's."""
+        found = []
+        for mark in sorted((self.run_dir / "drills").glob("faulty-node*-device*")):
+            node, _, device = mark.name.removeprefix("faulty-node").partition("-device")
+            if node.isdigit() and device.lstrip("-").isdigit():
+                found.append({"fault": "faulty-rank", "node": int(node), "device": int(device)})
+        return found
+
     def resume_step(self) -> int:
         """The step the ranks will resume from: the RAM tier's newest committed checkpoint where it is newer than
         the disk's (one machine: the ranks take it when it verifies, checkpointing.reader.find_newest), else the

@@ -575,3 +575,24 @@ def test_a_rank_saving_or_a_paused_run_is_not_a_stall():
     steps(w, 1, 50, 5.0)
     board = {0: Slot(0, "save", 50, 10.0), 1: Slot(1, "sum", 51, 10.0)}
     assert w.tick(25.0, phases=board) is None
+
+
+def test_a_device_a_faulty_rank_drill_left_faulty_labels_later_generations_incidents_as_the_drills():
+    """The drill's marker outlives its generation (the device stays faulty): the reruns and incidents of later
+    generations whose suspects run on that device are labelled a drill's; a suspect elsewhere is not."""
+    from daemon.judging.incidents import Incident
+
+    w = make(homes={"0": [0, 0], "1": [0, 1]}, drills=[{"fault": "faulty-rank", "node": 0, "device": 1}])
+    on_it = w._labelled(Incident(kind=Kind.RANK_OUTLIER, first_step=40, last_step=40, evidence={"suspects": [1]}))
+    assert on_it.evidence["drill"]["fault"] == "faulty-rank" and "(a faulty-rank drill)" in on_it.detail
+    elsewhere = w._labelled(Incident(kind=Kind.RANK_OUTLIER, first_step=40, last_step=40, evidence={"suspects": [0]}))
+    assert "drill" not in elsewhere.evidence
+
+
+def test_the_run_files_name_the_devices_a_drill_left_faulty(tmp_path):
+    from daemon.processes.run_files import RunFiles
+
+    (tmp_path / "run" / "drills").mkdir(parents=True)
+    (tmp_path / "run" / "drills" / "faulty-node0-device1").touch()
+    files = RunFiles(load_config(None, [f'run.dir="{tmp_path / "run"}"']), {})
+    assert files.faulty_devices() == [{"fault": "faulty-rank", "node": 0, "device": 1}]
