@@ -36,7 +36,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 
 from contracts.config import Config
 from engine.layout import parallel
@@ -52,12 +52,14 @@ class ShardedStep(StepState):
         from engine.training.grad_reducer import GradReducer
 
         self.micro = parallel.micro_batches(cfg)
-        if cfg.parallel.pp > 1:
-            self.network = Pipeline(net, self.micro)       # stages: engine/model/sharding.py set them on the cells
-        elif self.micro > 1:
-            self.network = GradAccumulation(net, self.micro)
+        if cfg.parallel.pp > 1:      # stages: engine/model/sharding.py set them on the cells
+            # the micro-batches are sliced from the whole rows, the next-token shift inside each: the pipeline
+            # pass labels the first slices of its inputs as the micro-batches
+            self.network = Pipeline(_NextTokenLoss(net), self.micro)
+            self.loss_of = self.network
         else:
-            self.network = net
+            self.network = GradAccumulation(net, self.micro) if self.micro > 1 else net
+            self.loss_of = _NextTokenLoss(self.network)
         self.reducer = (GradReducer(self.params, opt_shard=cfg.parallel.optimizer_shard)
                         if self.micro > 1 else None)
         # The gradients of a network whose only output is the scaled loss: the parallel pass finds that
@@ -65,22 +67,29 @@ class ShardedStep(StepState):
         # sums are the mean's gradient. value_and_grad(..., has_aux=True) over (scaled loss, loss) returned
         # a tuple: no loss found, no divisor, every gradient summed over the stage's devices (issue 47).
         # A poisoned step (a NaN drill) reports a NaN loss: the loss is the scaled one divided back.
-        self.loss_of = _NextTokenLoss(self.network)
-        self.grad = ms.value_and_grad(_ScaledLoss(self.loss_of), None, self.params)
+        self.scaled_loss = self._scaled_loss()
+        self.grad = ms.value_and_grad(self.scaled_loss, None, self.params)
         # the compiler recognises this marked ExpandDims and makes the norm global (see _global_norm)
         self.expand = ops.ExpandDims().add_prim_attr("grad_scale", True)
         self.world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
 
-    def gradients(self, tokens, sens):
-        """(the loss, the gradients of the loss times `sens`), from one forward pass whose only output is the
-        scaled loss: the form the parallel pass recognises (it divides that output by the devices holding it).
-        A separate forward for the loss (TrainOneStepCell's form) makes a cycle with GradAccumulation's
-        lazily inlined micro-steps ("Graph cycle exists", seen in the dry run)."""
+    def _scaled_loss(self) -> nn.Cell:
+        return _ScaledLoss(self.loss_of)
+
+    def gradients(self, tokens, poison):
+        """(the loss, the gradients of the loss times the loss scale x `poison`), from one forward pass whose only
+        output is the scaled loss: the form the parallel pass recognises (it divides that output by the devices
+        holding it). A separate forward for the loss (TrainOneStepCell's form) makes a cycle with
+        GradAccumulation's lazily inlined micro-steps ("Graph cycle exists", seen in the dry run)."""
+        sens = self.scaler.scale * poison
         scaled, grads = self.grad(tokens, sens)
         return scaled / sens, grads
 
     def construct(self, tokens, lr, poison):
-        loss, grads = self.gradients(tokens, self.scaler.scale * poison)
+        return self.step(tokens, lr, poison)
+
+    def step(self, tokens, lr, poison):
+        loss, grads = self.gradients(tokens, poison)
         if self.reducer is not None:
             grads = self.reducer(grads)
         inv = 1.0 / (self.scaler.scale * self.micro)
@@ -131,6 +140,36 @@ class ShardedStep(StepState):
         return ops.depend(done, self.scaler.adjust(finite)), scale_used
 
 
+class PipelineStep(ShardedStep):
+    """ShardedStep under pp, shaped for MindSpore's pipeline pass (PipelineInterleave, the kernel-by-kernel
+    backend's). It takes for the micro-batches' graph the first graph holding a _VirtualDataset, and refuses
+    the compile unless the lazily inlined network is called in that graph itself ("Using pipeline parallel with
+    interleave, should enable lazy_inline", though the network is lazy_inline: issue 47). The compiler puts a
+    _VirtualDataset in the differentiated graph, and in the outermost one too when a primitive there reads
+    one of the step's inputs. So, as MindFormers' pipeline wrapper is built:
+    - the differentiated cell keeps a graph of its own (defer_inline, _PipelinedScaledLoss), in which the
+      pipeline's micro-batch loop is inlined: its slices and the network's calls;
+    - the step's one input is the token rows, which the outermost graph only passes on; the learning rate and
+      the poison are parameters the host sets before each call (ShardedTrainStep._inputs).
+    The gradients' factor: the last stage's loss is divided by its devices (_VirtualDiv), and the earlier
+    stages' gradients are the backward of what it sends back (tests/e2e/test_dry_run_ir.py)."""
+
+    def __init__(self, net: nn.Cell, cfg: Config):
+        super().__init__(net, cfg)
+        self.lr_now = Parameter(Tensor(0.0, ms.float32), name="step_lr", requires_grad=False)
+        self.poison_now = Parameter(Tensor(1.0, ms.float32), name="step_poison", requires_grad=False)
+
+    def _scaled_loss(self) -> nn.Cell:
+        return _PipelinedScaledLoss(self.loss_of)
+
+    def gradients(self, tokens, poison):
+        scaled, grads = self.grad(tokens, self.scaler.scale, poison)
+        return scaled / (self.scaler.scale * poison), grads
+
+    def construct(self, tokens):
+        return self.step(tokens, self.lr_now * 1.0, self.poison_now * 1.0)
+
+
 class _NextTokenLoss(nn.Cell):
     """The network's loss of a batch of token rows (inputs: all but the last token; targets: all but the first)."""
 
@@ -151,6 +190,20 @@ class _ScaledLoss(nn.Cell):
 
     def construct(self, tokens, multiplier):
         return self.loss_of(tokens) * multiplier
+
+
+class _PipelinedScaledLoss(_ScaledLoss):
+    """_ScaledLoss under pp: a graph of its own (defer_inline, the flag MindFormers' pipeline wrapper sets on its
+    network), holding the pipeline's micro-batch slices and the lazily inlined network's calls; it multiplies by
+    the scale and the poison itself, so that the outermost graph reads none of its inputs (see PipelineStep).
+    No branch in it: a branch is a graph of its own, and the network's calls would be there."""
+
+    def __init__(self, loss_of: nn.Cell):
+        super().__init__(loss_of)
+        self.add_flags(defer_inline=True)
+
+    def construct(self, tokens, scale, poison):
+        return self.loss_of(tokens) * (scale * poison)
 
 
 def wrap(step: ShardedStep, parallelism: parallel.Parallelism, strategy_file: str):
@@ -177,7 +230,8 @@ class ShardedTrainStep:
                  run_dir: Path):
         self.cfg, self.rank = cfg, rank
         self.accum_steps = cfg.train.grad_accum_steps
-        self.cell = ShardedStep(net, cfg)
+        self.pipelined = cfg.parallel.pp > 1
+        self.cell = (PipelineStep if self.pipelined else ShardedStep)(net, cfg)
         self.scaler = self.cell.scaler
         strategy = run_dir / "strategy" / f"rank_{rank}.ckpt"
         strategy.parent.mkdir(parents=True, exist_ok=True)
@@ -197,6 +251,10 @@ class ShardedTrainStep:
 
     def _inputs(self, micro_batches: np.ndarray, lr: float, poison: float):
         tokens = micro_batches.reshape(-1, micro_batches.shape[-1])      # (accum x rows, seq_len + 1)
+        if self.pipelined:       # PipelineStep: the learning rate and the poison are parameters
+            self.cell.lr_now.set_data(Tensor(lr, ms.float32))
+            self.cell.poison_now.set_data(Tensor(poison, ms.float32))
+            return (Tensor(tokens),)
         return Tensor(tokens), Tensor(lr, ms.float32), Tensor(poison, ms.float32)
 
     def compile(self, micro_batches: np.ndarray) -> None:

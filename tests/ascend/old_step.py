@@ -20,8 +20,8 @@ def _patched_init(self, *args, **kwargs):
     self.old_grad = ms.value_and_grad(scaled_loss, None, self.params, has_aux=True)
 
 
-def _old_gradients(self, tokens, sens):
-    (_, loss), grads = self.old_grad(tokens, sens)
+def _old_gradients(self, tokens, poison):
+    (_, loss), grads = self.old_grad(tokens, self.scaler.scale * poison)
     return loss, grads
 
 

@@ -205,7 +205,7 @@ def partition_problems(part: Partitioned, whole: dict[str, tuple[int, ...]], spl
       count over its slices)."""
     out = []
     factor = part.gradient_factor(stage_devices)
-    if not part.divisors:
+    if not part.divisors and stage_devices > 1:       # one device: nothing to divide by, none inserted
         out.append(f"no loss divisor (_VirtualDiv): the pass did not find the loss; every gradient is summed over "
                    f"the stage's {stage_devices} devices (factor {factor:g})")
     elif factor != 1:

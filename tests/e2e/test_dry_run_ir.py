@@ -39,7 +39,7 @@ def _whole_and_splits(cfg):
     return {n: s for n, s in whole.items() if n in {p.name for p in net.trainable_params()}}, splits
 
 
-def _compile(env, monkeypatch, tmp_path, path, overrides, *, level="0", command=None):
+def _compile(env, monkeypatch, tmp_path, path, overrides, *, level="0", command=None, rank=0):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     if command:
@@ -49,9 +49,9 @@ def _compile(env, monkeypatch, tmp_path, path, overrides, *, level="0", command=
     cfg = load_config(path, overrides)
     layout = Layout.of(cfg)
     started = time.perf_counter()
-    done = dry_run.simulate(str(path) if path else None, overrides, layout, 0, level, TIMEOUT_S,
+    done = dry_run.simulate(str(path) if path else None, overrides, layout, rank, level, TIMEOUT_S,
                             ir_dir=tmp_path / "ir" if level == "0" else None)
-    print(f"level {level} compile of rank 0: {time.perf_counter() - started:.1f} s")
+    print(f"level {level} compile of rank {rank}: {time.perf_counter() - started:.1f} s")
     assert done.returncode == 0, dry_run.error_line(done)
     return cfg, done
 
@@ -62,30 +62,33 @@ def _read(cfg, tmp_path):
 
 
 def _trainable_semi_auto_configs():
-    """The strategy lint's semi-auto configs that `train` runs (not a `plan`-only recipe). Under pp MindSpore
-    2.10 refuses the step before the parallel pass ("Using pipeline parallel with interleave, should enable
-    lazy_inline"), the step as it was too: found by this dry run, not fixed yet (issue 47's report)."""
+    """The strategy lint's semi-auto configs that `train` runs (not a `plan`-only recipe), pp layouts included
+    (engine.training.sharded_step.PipelineStep: MindSpore 2.10 refused the step as it was, "Using pipeline
+    parallel with interleave, should enable lazy_inline")."""
     for param in _semi_auto_configs():
         cfg = load_config(*param.values)
-        if cfg.parallel.plan_recipe != "project":
-            continue
-        marks = [pytest.mark.xfail(reason="pp: MindSpore refuses the Pipeline cell's compile (lazy_inline), "
-                                          "before and after issue 47", strict=True)] if cfg.parallel.pp > 1 else []
-        yield pytest.param(*param.values, id=param.id, marks=marks)
+        if cfg.parallel.plan_recipe == "project":
+            yield param
 
 
 @pytest.mark.parametrize("path,overrides", list(_trainable_semi_auto_configs()))
 def test_the_partitioned_step_divides_the_loss_and_reduces_every_gradient_over_its_replicas(
         mindspore_cpu, ascend_standins, monkeypatch, tmp_path, path, overrides):
-    cfg, _ = _compile(ascend_standins, monkeypatch, tmp_path, path, overrides)
+    p = load_config(path, overrides).parallel
+    # under pp the last stage's first rank: the loss and its divisor are there (the earlier stages' gradients are
+    # the backward of what it sends back, so its divisor is theirs too); rank 0 otherwise
+    last = (p.pp - 1) * p.dp * p.tp
+    cfg, _ = _compile(ascend_standins, monkeypatch, tmp_path, path, overrides, rank=last)
     part = _read(cfg, tmp_path)
-    p = cfg.parallel
     stage = p.dp * p.tp
+    if stage > 1:
+        assert part.divisors, "no loss divisor (_VirtualDiv)"
     assert part.gradient_factor(stage) == 1, part.divisors
+    print(f"dp {p.dp} x tp {p.tp} x pp {p.pp}: loss divisors {part.divisors} on rank {last}, gradient factor 1")
     whole, splits = _whole_and_splits(cfg)
-    if p.pp > 1:       # rank 0 holds stage 0's parameters; the others' are left whole and never trained here
+    if p.pp > 1:       # the rank holds its stage's parameters; the others' are left whole and never trained here
         stages = parallel.cell_stages(cfg)
-        mine = {n for n in whole if any(n.startswith(c + ".") and s == 0 for c, s in stages.items())}
+        mine = {n for n in whole if any(n.startswith(c + ".") and s == p.pp - 1 for c, s in stages.items())}
         whole = {n: s for n, s in whole.items() if n in mine}
     assert strategy_lint.partition_problems(part, whole, splits, stage,
                                             p.dp if p.optimizer_shard else 1) == []

@@ -28,7 +28,7 @@ def _primitive_names(cell) -> set[str]:
 @pytest.mark.parametrize("overrides,pp", [(TP, 1), (PP, 2), (ALL, 2)], ids=["dp-tp", "pp", "dp-tp-pp-sp"])
 def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accumulation(mindspore_cpu, overrides, pp):
     from engine.model.causal_lm import InlinedCausalLM, build_model
-    from engine.training.sharded_step import ShardedStep
+    from engine.training.sharded_step import PipelineStep, ShardedStep
 
     cfg = load_config(None, overrides)
     net = build_model(cfg, decide(cfg))
@@ -42,8 +42,12 @@ def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accum
         assert cells["model.embed_tokens"].pipeline_stage == 0
         assert [cells[f"model.layers.{i}"].pipeline_stage for i in range(4)] == [0, 0, 1, 1]
         assert cells["lm_head"].pipeline_stage == cells["loss"].pipeline_stage == cells["model.norm"].pipeline_stage == 1
-    step = ShardedStep(net, cfg)
+    step = (PipelineStep if pp > 1 else ShardedStep)(net, cfg)
     assert type(step.network).__name__ == ("Pipeline" if pp > 1 else "GradAccumulation")
+    # under pp the step's one input is the tokens (lr and poison are parameters) and the differentiated cell
+    # keeps a graph of its own, so MindSpore's pipeline pass finds the lazily inlined network's calls in it
+    assert (type(step.scaled_loss).__name__ == "_PipelinedScaledLoss") == (pp > 1)
+    assert step.scaled_loss.get_flags().get("defer_inline", False) == (pp > 1)
     assert step.micro == cfg.train.grad_accum_steps * (cfg.parallel.pipeline_microbatches if pp > 1 else 1)
     assert type(step.reducer).__name__ == "GradReducer"      # engine/training/grad_reducer.py: 2.10's own fails
     # the framework reduces the gradients: the step's one collective of its own sums the non-finite flag
