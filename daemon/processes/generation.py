@@ -396,6 +396,12 @@ class Generation:
                 w.group.remove()
 
 
+# HCCL's detection of a collective that cannot form or complete (CANN's HCCL_DFS_CONFIG): a link that cannot be set
+# up is traced to its root node within 20 s, a collective that times out spreads the fault and logs the root node
+# (cluster_heartbeat), a process stuck in a collective is reported (stuck_detection); the operator's own value wins
+HCCL_DFS_CONFIG = "connection_fault_detection_time:20,cluster_heartbeat:on,stuck_detection:on"
+
+
 def phase_board_prefix(*, port: int, generation: int) -> Path:
     """Where a generation's ranks say where they are inside each step (contracts.phase_board): beside the
     generation's shared-memory group files, removed with them."""
@@ -412,6 +418,8 @@ def worker_env(base: Mapping[str, str], cfg: Config, *, rank: int, port: int, ge
     devices = machine_devices(cfg, base)          # this machine's, less any quarantined (daemon/judging/quarantine.py)
     placed = {**base, VISIBLE: ",".join(map(str, devices)), ENV_DEVICE: str(devices[rank % len(devices)]),
               ENV_PHASE_BOARD: str(phase_board_prefix(port=port, generation=generation))}
+    if cfg.train.device == "ascend" and world > 1:     # HCCL's own fault detection, unless the operator set it
+        placed.setdefault("HCCL_DFS_CONFIG", HCCL_DFS_CONFIG)
     if world == 1:
         return {**placed, ENV_GENERATION: str(generation)}
     if mindspore_env.is_local_group(cfg):

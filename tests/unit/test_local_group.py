@@ -131,3 +131,15 @@ def test_a_local_group_shrunk_or_regrown_with_the_same_micro_batch_keeps_its_com
     assert cache(shape(2, 4, 1)) != cache(shape(1, 4, 2, "run.nodes=1"))  # no accumulation / no peers
     cluster = lambda dp, accum: shape(dp, 4, accum, "parallel.local_reduce=false")
     assert cache(cluster(3, 2)) != cache(cluster(2, 3))                   # its graphs hold the AllReduce
+
+
+def test_an_ascend_generation_turns_hccls_own_fault_detection_on_unless_the_operator_set_it():
+    from daemon.processes.generation import HCCL_DFS_CONFIG
+
+    cfg = load_config(None, ['train.device="ascend"', "parallel.dp=8", "train.micro_batch=1", "train.global_batch=8"])
+    env = worker_env({"PATH": "/bin"}, cfg, rank=3, port=4711, generation=2)
+    assert env["HCCL_DFS_CONFIG"] == HCCL_DFS_CONFIG and "stuck_detection:on" in HCCL_DFS_CONFIG
+    own = worker_env({"PATH": "/bin", "HCCL_DFS_CONFIG": "cluster_heartbeat:off"}, cfg, rank=3, port=4711, generation=2)
+    assert own["HCCL_DFS_CONFIG"] == "cluster_heartbeat:off"
+    cpu = load_config(None, ["parallel.dp=2", "train.micro_batch=4"])
+    assert "HCCL_DFS_CONFIG" not in worker_env({"PATH": "/bin"}, cpu, rank=1, port=4711, generation=2)
