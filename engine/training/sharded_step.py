@@ -16,9 +16,9 @@ here all-reduces gradients by hand. Within it:
 - the gradients are value_and_grad's of a network whose only output is the scaled loss, so the parallel
   pass finds the loss and divides it by the devices holding it (_VirtualDiv): the mirrors' sums are then
   the mean's gradient (issue 47: with the loss an auxiliary output it found none, factor dp x tp);
-- the global gradient norm is the sum of `grad_scale`-marked square sums (MindFormers' ClipGradNorm
-  pattern), which the compiler divides by each parameter's replicas and all-reduces within and across
-  stages; the non-finite flag is all-reduced over the world, so every rank skips or none does;
+- the global gradient norm: each rank's square sums of the slices it holds, each divided by the slice's
+  holders in the stage, all-reduced once over the world (the same on every rank by construction, issue 47);
+  the non-finite flag is all-reduced over the world too, so every rank skips or none does;
 - a skipped step is branch-free (AdamW with lr 0 and betas 1): the Ascend kernel-by-kernel backend
   refuses a data-dependent branch;
 - the loss exists only on the last pipeline stage (others return zero); it and
@@ -69,9 +69,11 @@ class ShardedStep(StepState):
         # A poisoned step (a NaN drill) reports a NaN loss: the loss is the scaled one divided back.
         self.scaled_loss = self._scaled_loss()
         self.grad = ms.value_and_grad(self.scaled_loss, None, self.params)
-        # the compiler recognises this marked ExpandDims and makes the norm global (see _global_norm)
-        self.expand = ops.ExpandDims().add_prim_attr("grad_scale", True)
         self.world_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
+        # the global norm's one reduction (see _global_norm); a primitive of its own, so the lint finds it
+        self.norm_sum = ops.AllReduce(group=GlobalComm.WORLD_COMM_GROUP)
+        self.stage_devices = cfg.parallel.dp * cfg.parallel.tp
+        self.in_norm = (True,) * len(self.params)     # the parameters whose square sums this rank's norm adds
 
     def _scaled_loss(self) -> nn.Cell:
         return _ScaledLoss(self.loss_of)
@@ -104,14 +106,25 @@ class ShardedStep(StepState):
         return ops.depend(loss, done), grad_norm, scale_used, ops.logical_not(finite)
 
     def _global_norm(self, grads):
-        """The norm of the whole gradient: each gradient's square sum marked `grad_scale` (MindFormers'
-        ClipGradNorm pattern). The ops after the gradients run on each rank's slice; the parallel pass
-        (HandleGlobalNormScale) divides each marked square sum by its parameter's replica count and
-        all-reduces the sum within and between stages. It finds each through a search from the parameter
-        (10 nodes deep, over Mul, Cast, Square, ReduceSum, ...): the dry-run lint checks it found every one
-        (tests/e2e/test_dry_run_ir.py: a PARALLEL_GLOBALNORM_DIV per replicated parameter)."""
-        squares = [self.expand(ops.reduce_sum(ops.square(g.astype(ms.float32))), 0) for g in grads]
-        return ops.sqrt(ops.addn(squares))[0]
+        """The norm of the whole gradient, the same on every rank by construction (issue 47): each rank sums
+        the squares of the gradient slices it holds, each divided by how many ranks of its stage hold that
+        same slice, and one all-reduce over the world adds them up: every slice of every stage counted once.
+        The ops after the gradients run on each rank's own slice (no strategy: the dry run's IR), so a slice's
+        holders are the stage's devices over its slices, whole / held elements. `held` is counted on the slice
+        itself: the graph's shapes are the logical ones, and a count of ones_like(g) is folded to the whole
+        size before the partition (seen in the IR); its finite elements are all of them, and where one is
+        not, the norm is not finite whatever the weight. Nothing here is marked `grad_scale`: MindSpore's
+        HandleGlobalNormScale, whose search for the marks is 10 nodes deep, has nothing to find or rescale
+        (tests/e2e/test_dry_run_ir.py checks both in the partitioned graph)."""
+        total = ops.zeros((), ms.float32)
+        for g, mine in zip(grads, self.in_norm):
+            if not mine:
+                continue
+            g = g.astype(ms.float32)
+            held = ops.reduce_sum(ops.isfinite(g).astype(ms.float32))     # see above: not foldable
+            holders = held * (self.stage_devices / g.size)
+            total = total + ops.reduce_sum(ops.square(g)) / holders
+        return ops.sqrt(self.norm_sum(total))
 
     def _update(self, grads, finite, lr):
         """AdamW unless not finite, without a graph branch: MindSpore's kernel-by-kernel backend (Ascend
@@ -154,8 +167,14 @@ class PipelineStep(ShardedStep):
     The gradients' factor: the last stage's loss is divided by its devices (_VirtualDiv), and the earlier
     stages' gradients are the backward of what it sends back (tests/e2e/test_dry_run_ir.py)."""
 
-    def __init__(self, net: nn.Cell, cfg: Config):
+    def __init__(self, net: nn.Cell, cfg: Config, stage: int = 0):
         super().__init__(net, cfg)
+        # the norm adds this stage's parameters only: a sum over every stage's gradients is placed on the first
+        # stage by the pipeline pass, and the step's tail (norm, skip, update) goes with it (seen in the dry run:
+        # the last stage's graph lost its update); the world all-reduce adds the stages
+        stages = parallel.cell_stages(cfg)
+        self.in_norm = tuple(any(p.name.startswith(c + ".") and s == stage for c, s in stages.items())
+                             for p in self.params)
         self.lr_now = Parameter(Tensor(0.0, ms.float32), name="step_lr", requires_grad=False)
         self.poison_now = Parameter(Tensor(1.0, ms.float32), name="step_poison", requires_grad=False)
 
@@ -231,7 +250,8 @@ class ShardedTrainStep:
         self.cfg, self.rank = cfg, rank
         self.accum_steps = cfg.train.grad_accum_steps
         self.pipelined = cfg.parallel.pp > 1
-        self.cell = (PipelineStep if self.pipelined else ShardedStep)(net, cfg)
+        stage = parallel.coordinates(rank, cfg).stage
+        self.cell = PipelineStep(net, cfg, stage) if self.pipelined else ShardedStep(net, cfg)
         self.scaler = self.cell.scaler
         strategy = run_dir / "strategy" / f"rank_{rank}.ckpt"
         strategy.parent.mkdir(parents=True, exist_ok=True)

@@ -151,6 +151,9 @@ class Partitioned:
     reductions: dict[str, list[tuple[str, int]]]  # parameter -> (collective, its group's size) per gradient reduction
     norm_divs: int = 0                            # square sums the global norm divides by replicas (HandleGlobalNormScale)
     norm_reduced: bool = False                    # ... and their sum all-reduced within the stage
+    norm_all_reduces: list[int] = dataclasses.field(default_factory=list)   # the step's own norm all-reduce: group sizes
+    held_counts: int = 0                          # square sums weighted by the elements this rank holds (issue 47)
+    updates: int = 0                              # the optimizer's updates (AdamWeightDecay) in this rank's graph
 
     def gradient_factor(self, stage_devices: int) -> float:
         """The update's gradient over the global mean's, as the compiler reduces it: every device of the stage
@@ -185,6 +188,12 @@ def read_partitioned(ir: Path, devices: int) -> Partitioned:
     text = ir.read_text()
     norm_divs = len(re.findall(r"instance name: PARALLEL_GLOBALNORM_DIV\b", text))
     norm_reduced = re.search(r"instance name: PARALLEL_GLOBALNORM_IN_STAGES\b", text) is not None
+    # engine.training.sharded_step: the norm's one reduction (the primitive `norm_sum`), and each gradient's
+    # count of the elements this rank holds (`held`), its square sum's weight
+    norm_all_reduces = [group_size(g["group"], devices) for line in text.splitlines()
+                        if re.search(r"= AllReduce\(.*\binstance name: norm_sum\b", line) and (g := _GROUP.search(line))]
+    updates = len(re.findall(r"= (?:PrimFunc_)?AdamWeightDecay\(", text))
+    held_counts = len(re.findall(r"^\s+%\d+\(held\) = (?:PrimFunc_)?ReduceSum\(", text, re.MULTILINE))
     for line in text.splitlines():
         if m := _PARAM.match(line):
             params[m["name"]] = _shape(m["shape"])
@@ -192,7 +201,25 @@ def read_partitioned(ir: Path, devices: int) -> Partitioned:
             divisors.append(int(m["d"]))
         elif (c := _COMM.search(line)) and (u := _MIRROR_USER.search(line)) and (g := _GROUP.search(line)):
             reductions.setdefault(u["param"], []).append((c["op"], group_size(g["group"], devices)))
-    return Partitioned(params, divisors, reductions, norm_divs, norm_reduced)
+    return Partitioned(params, divisors, reductions, norm_divs, norm_reduced, norm_all_reduces, held_counts,
+                       updates)
+
+
+def norm_problems(part: Partitioned, devices: int, gradients: int) -> list[str]:
+    """What keeps the partitioned step's global norm from being the same on every rank by construction
+    (issue 47): its square sums must meet in one all-reduce over the world, each weighted by the elements this
+    rank holds (a slice's holders), and nothing of MindSpore's HandleGlobalNormScale may rescale or reduce them
+    again (its search for `grad_scale` marks is 10 nodes deep: a parameter it misses keeps a local norm)."""
+    out = []
+    if part.norm_all_reduces != [devices]:
+        out.append(f"the norm's all-reduce over the world ({devices} devices): found {part.norm_all_reduces}")
+    if part.held_counts != gradients:
+        out.append(f"{part.held_counts} of {gradients} square sums weighted by the elements this rank holds")
+    if part.norm_divs or part.norm_reduced:
+        out.append(f"HandleGlobalNormScale rescaled {part.norm_divs} square sums"
+                   f"{' and all-reduced them within the stage' if part.norm_reduced else ''}: the norm depends on "
+                   "its search")
+    return out
 
 
 def partition_problems(part: Partitioned, whole: dict[str, tuple[int, ...]], splits: dict[str, tuple[int, ...]],

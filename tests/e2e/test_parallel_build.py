@@ -50,14 +50,16 @@ def test_semi_auto_layouts_build_with_stages_strategies_and_the_frameworks_accum
     assert step.scaled_loss.get_flags().get("defer_inline", False) == (pp > 1)
     assert step.micro == cfg.train.grad_accum_steps * (cfg.parallel.pipeline_microbatches if pp > 1 else 1)
     assert type(step.reducer).__name__ == "GradReducer"      # engine/training/grad_reducer.py: 2.10's own fails
-    # the framework reduces the gradients: the step's one collective of its own sums the non-finite flag
-    # over the world (issue 47)
+    # the framework reduces the gradients: the step's collectives of its own sum the non-finite flag and the
+    # global norm's square sums over the world (issue 47)
     names = _primitive_names(step)
     assert "MatMul" in names and not names & {"ReduceScatter", "AllGather"}
     from mindspore.ops import AllReduce
     reduces = [v for _, c in step.cells_and_names() for v in [*vars(c).values(), *c._primitives.values()]
                if isinstance(v, AllReduce)]
-    assert reduces and all(r is step.world_sum for r in reduces)
+    assert reduces and all(r is step.world_sum or r is step.norm_sum for r in reduces)
+    assert not any(p.attrs.get("grad_scale") for _, c in step.cells_and_names() for p in c._primitives.values()
+                   if p is not None)         # nothing for HandleGlobalNormScale's depth-limited search
 
 
 def test_pipeline_stage_one_layout_builds_and_leaves_stages_unset(mindspore_cpu):
