@@ -225,6 +225,8 @@ class CheckpointConfig:
                                     # the failure rate says (Young/Daly, daemon/judging/cadence.py)
     keep_last: int = 3             # retain the newest N
     keep_every_steps: int = 0      # also retain every checkpoint whose step divides by this (0 = none)
+    keep_incident_bundles: int = 20  # post-mortem bundles kept (<run.dir>/incidents/, one per incident): the newest
+                                     # N, fewer once retention deletes their checkpoints (0 = none written)
     memory_interval_steps: int | str = 0  # also every N steps to RAM (memory_dir): a crash loses at most N steps
                                           # (0 = off; "auto": as interval_steps)
     memory_dir: str = "/dev/shm"   # where the RAM tier lives (a tmpfs); one directory per run under it
@@ -243,6 +245,7 @@ class CheckpointConfig:
                 _at_least(f"checkpoint.{key}", value, 0)
         _at_least("checkpoint.keep_last", self.keep_last, 1)
         _at_least("checkpoint.keep_every_steps", self.keep_every_steps, 0)
+        _at_least("checkpoint.keep_incident_bundles", self.keep_incident_bundles, 0)
         _in_range("checkpoint.auto_mtbf_prior_s", self.auto_mtbf_prior_s, 0.0, 1e9, open_low=True)
         _at_least("checkpoint.auto_min_interval_steps", self.auto_min_interval_steps, 1)
         _at_least("checkpoint.auto_max_interval_steps", self.auto_max_interval_steps, self.auto_min_interval_steps)

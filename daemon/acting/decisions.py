@@ -16,11 +16,12 @@ import time
 import tenacity
 
 from checkpointing import layout
-from contracts.config import Config, HealthConfig, with_changes
+from contracts.config import Config, HealthConfig, config_hash, with_changes
 from contracts.protocol import ExitCode, RecoveryDirective
 from daemon.judging import policy, watch
 from daemon.judging.incidents import Action, Halt, Incident, IncidentRecord, Rerun, Rollback
 from daemon.processes.run_files import RunFiles
+from daemon.records import bundles
 from daemon.records.ledger import Ledger
 
 _ROLLBACK_FIELDS = ("skip", "lr_overrides", "loss_scale", "loss_scale_cap_until_step", "quarantine")
@@ -50,7 +51,24 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
         resume = finish_rollback(ledger, files, cause=incident.kind.value, reason=action.reason,
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
+    write_bundle(ledger, files, cfg, record, resume)
     return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume)
+
+
+def write_bundle(ledger: Ledger, files: RunFiles, cfg: Config, record: IncidentRecord, resume: int) -> None:
+    """The decided incident's post-mortem bundle (daemon.records.bundles), once its decision is carried out: the
+    last generation's rank logs (from where its processes began; after a daemon's restart, the logs' ends). A disk
+    that refuses it is a warning: the run goes on."""
+    logs = ledger.rank_logs or {r: (str(files.log_dir / f"rank-{r}.log"), 0) for r in files.local_ranks}
+    try:
+        bundles.write(files.incidents_dir, record=record, index=len(ledger.state.incidents) - 1, resume_step=resume,
+                      trajectory_hash=config_hash(cfg), run=cfg.run.name, node=files.node,
+                      config_path=files.resolved_config, events_path=ledger.log.path, rank_logs=logs,
+                      keep=cfg.checkpoint.keep_incident_bundles)
+    except OSError as e:
+        ledger.emit("bundle_failed", level="warning", generation=record.generation, kind=record.kind.value,
+                    detail=f"the incident's post-mortem bundle under {files.incidents_dir} was not written: "
+                           f"{e.strerror or e}")
 
 
 def _record_decision(ledger: Ledger, record: IncidentRecord, *,
@@ -184,4 +202,5 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
                     detail="this node's policy decided otherwise than the decider's: the daemons are not deterministic "
                            "(a bug); the decider's decision is applied")
     new_cfg = cfg if isinstance(record.action, Halt) else with_changes(base_cfg, state.config_changes)
+    write_bundle(ledger, files, cfg, record, int(published["resume_step"]))
     return Decision(action=record.action, record=record, cfg=new_cfg, resume_step=int(published["resume_step"]))

@@ -9,6 +9,7 @@ from daemon.judging import watch
 from daemon.judging.incidents import Incident, Kind
 from daemon.processes.generation import Generation
 from daemon.processes.run_files import RunFiles
+from daemon.records import bundles
 from daemon.records.ledger import Ledger
 
 
@@ -43,6 +44,8 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.emit("checkpoint_committed", rank=e.rank, step=e.step, detail=e.detail,
                         **({"retired": retired} if retired else {}))
             ledger.checkpoint_committed(e.step)
+            if retired:                  # the incidents' bundles go with the checkpoints their runs resumed from
+                _retire_bundles(ledger, files, cfg, retired)
             _disk_space(ledger, files, e.step)
         elif isinstance(e, watch.DumpStacks):
             for rank in e.native:        # before the signals: a stopped rank's state as it was found
@@ -73,6 +76,15 @@ def _cadence(ledger: Ledger, cfg: Config, peers, files: RunFiles, *, step: watch
         peers.send("interval", change["changed"], ledger, files.append_command)
         ledger.emit("checkpoint_interval", **change)
         ledger.save()
+
+
+def _retire_bundles(ledger: Ledger, files: RunFiles, cfg: Config, retired: list[int]) -> None:
+    try:
+        bundles.retire(files.incidents_dir, keep=cfg.checkpoint.keep_incident_bundles,
+                       committed=files.committed_steps(), retired=retired)
+    except OSError as e:
+        ledger.emit("bundle_failed", level="warning", detail=f"old post-mortem bundles under {files.incidents_dir} "
+                                                             f"not retired: {e.strerror or e}")
 
 
 def _disk_space(ledger: Ledger, files: RunFiles, step: int) -> None:

@@ -33,6 +33,7 @@ from daemon.judging.incidents import IncidentRecord
 from daemon.judging.policy import newest_healthy
 from daemon.processes import mindspore_env
 from daemon.processes.generation import worker_env
+from daemon.records import bundles
 from durable import write_atomically
 
 RESOLVED_CONFIG = "config.resolved.toml"
@@ -52,6 +53,7 @@ class RunFiles:
         self.recovery = self.run_dir / "recovery.json"
         self.rerun = self.run_dir / "rerun.json"
         self.resolved_config = self.run_dir / RESOLVED_CONFIG
+        self.incidents_dir = self.node_dir / bundles.INCIDENTS_DIR    # post-mortem bundles (daemon.records.bundles)
         self.memory_dir = cfg.checkpoint.memory_dir
         local = cfg.parallel.world_size // cfg.run.nodes
         self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))

@@ -47,6 +47,7 @@ class Ledger:
         self.generation_opened: float | None = None   # the current generation opened, until its first step
         self.disk_space_low = False        # said with a disk_space_low warning; cleared when space comes back
         self._cadence = None               # checkpoint.interval_steps = "auto" (daemon.judging.cadence), made when first asked
+        self.rank_logs: dict[int, tuple[str, int]] = {}   # the last generation's ranks: log path, where its part begins
 
     def _load(self) -> RunState:
         """state.json; a corrupt one is set aside (never deleted) and rebuilt from the event log, loudly.
@@ -131,6 +132,10 @@ class Ledger:
     def note_processes(self, records) -> None:
         """The processes of this generation (and a waiting standby's), for the next daemon to end."""
         self.state.set_processes(records)
+        ranks = {r["rank"]: (r["log"], int(r.get("log_start") or 0)) for r in records
+                 if r.get("role") == "rank" and not r.get("standby") and r.get("log")}
+        if ranks:                          # kept past the teardown: an incident's bundle takes their tails
+            self.rank_logs = ranks
 
     def note_committed(self, step: int, *, counts_progress: bool = False) -> None:
         """The newest committed checkpoint; `counts_progress`: a process fault's restart is counted against it."""
