@@ -138,6 +138,13 @@ def _add_operations(sub) -> None:
     logs.add_argument("--rank", type=int, help="only events about this rank")
     logs.add_argument("--json", action="store_true", help="the JSON lines as they are")
 
+    incident = sub.add_parser("incident", help="a run's incidents and their post-mortem bundles (events, rank log "
+                                               "tails, config, environment); one's summary, or a .tar.gz of it")
+    incident.add_argument("run", metavar="RUN", help="a run directory, or a run name")
+    incident.add_argument("index", metavar="N", type=int, nargs="?", help="the incident's number (as listed): "
+                          "its bundle's summary")
+    incident.add_argument("--bundle", metavar="OUT", help="write incident N's bundle as a .tar.gz to OUT")
+
     from daemon.judging.requests import VERBS
 
     for name, verb in VERBS.items():
@@ -564,6 +571,12 @@ def _cmd_checkpoints(args: argparse.Namespace) -> int:
     return checkpoints.run(args.action, args.run, step=args.step, as_json=args.json)
 
 
+def _cmd_incident(args: argparse.Namespace) -> int:
+    from cli import incidents
+
+    return incidents.run(args.run, args.index, bundle_out=args.bundle)
+
+
 def _cmd_prepare_data(args: argparse.Namespace) -> int:
     from engine.data.prepare import prepare
 
@@ -582,7 +595,7 @@ def _cmd_chaos(args: argparse.Namespace) -> int:
 
 COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_prepare_data,
             "checkpoints": _cmd_checkpoints, "run": _cmd_run, "inject": _cmd_inject,
-            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "plot": _cmd_plot, "export": _cmd_export,
+            "install-service": _cmd_install_service, "status": _cmd_status, "logs": _cmd_logs, "incident": _cmd_incident, "plot": _cmd_plot, "export": _cmd_export,
             "import-config": _cmd_import_config, "plan": _cmd_plan,
             "pause": _cmd_control, "resume": _cmd_control, "checkpoint": _cmd_control, "stop": _cmd_control,
             "chaos": _cmd_chaos}
@@ -590,7 +603,7 @@ COMMANDS = {"train": _cmd_train, "config": _cmd_config, "prepare-data": _cmd_pre
 
 # Commands that only print: a closed pipe (`status --json | head`) ends them as it ends any Unix tool,
 # quietly by SIGPIPE. The long-running ones keep Python's default: their output is never worth dying for.
-_PRINTING = {"status", "logs", "config", "plan", "checkpoints", "plot", "export", "import-config", "install-service",
+_PRINTING = {"status", "logs", "incident", "config", "plan", "checkpoints", "plot", "export", "import-config", "install-service",
              "pause", "resume", "checkpoint", "stop", "inject"}
 
 
