@@ -102,7 +102,8 @@ def test_the_partitioned_step_divides_the_loss_and_reduces_every_gradient_over_i
 def test_the_step_as_it_was_has_no_loss_divisor_and_sums_gradients_over_the_stage(
         mindspore_cpu, ascend_standins, monkeypatch, tmp_path):
     """Before issue 47's fix the loss was value_and_grad's auxiliary output: the pass found no loss, inserted no
-    _VirtualDiv, and every gradient was the sum over the stage's devices (8x at dp 4 x tp 2)."""
+    _VirtualDiv, and every gradient was the sum over the stage's devices (8x at dp 4 x tp 2); and the global norm
+    was left to HandleGlobalNormScale's search."""
     seven_b = next(p for p in _semi_auto_configs() if p.id == "llama-7b")      # dp 4 x tp 2, shrunk
     cfg, _ = _compile(ascend_standins, monkeypatch, tmp_path, *seven_b.values, command="tests.ascend.old_step")
     part = _read(cfg, tmp_path)
@@ -110,6 +111,11 @@ def test_the_step_as_it_was_has_no_loss_divisor_and_sums_gradients_over_the_stag
     assert stage == 8 and part.divisors == [] and part.gradient_factor(stage) == 8
     found = strategy_lint.partition_problems(part, {}, {}, stage)
     assert found and found[0].startswith("no loss divisor (_VirtualDiv)") and "factor 8" in found[0]
+    # and its norm was the compiler's: grad_scale-marked square sums, rescaled and all-reduced by
+    # HandleGlobalNormScale after its depth-limited search, no all-reduce of the step's own
+    norm = strategy_lint.norm_problems(part, stage, len(_whole_and_splits(cfg)[0]))
+    assert any("HandleGlobalNormScale rescaled" in n for n in norm) and any("all-reduce over the world" in n
+                                                                            for n in norm), norm
 
 
 def test_a_stage_compiles_through_the_backend_and_reports_its_peak_memory(mindspore_cpu, ascend_standins,
