@@ -338,7 +338,16 @@ class Coordinator:
         return {**cause, "node": self.node}
 
     def publish_decision(self, number: int, decision: dict) -> None:
-        self._fenced([op_put(self._key(f"decision/{number}"), json.dumps(decision))])
+        """The decider's decision for generation `number`, fenced; in this daemon's mirror at once (as its own
+        leader key after a campaign): its next `open` must not find the generation undecided and decide it
+        again before the watch has brought the key back (seen: twice, 4 ms apart, on 8 busy machines)."""
+        value = json.dumps(decision)
+        self._fenced([op_put(self._key(f"decision/{number}"), value)])
+        with self._lock:
+            known = self._mirror.get(f"decision/{number}")
+            if known is None or known.value != value.encode():
+                self._mirror[f"decision/{number}"] = KeyValue(self._key(f"decision/{number}").encode(), value.encode(),
+                                                              self._revision, self._revision)
 
     def finish_run(self, value: dict) -> None:
         self._fenced([op_put(self._key("run"), json.dumps(value))])
