@@ -229,7 +229,7 @@ def _load_config(path, overrides):
     """A config as every command that runs one takes it: the schema's rules, then the planner's fit
     check (an Ascend layout that cannot fit its device memory is refused before any cluster time)."""
     cfg = load_config(path, overrides)
-    if cfg.train.device != "ascend":
+    if cfg.train.device != "ascend" or cfg.script.command:     # a script's model is not this project's to plan
         return cfg
     from engine.layout import plan
 
@@ -241,7 +241,9 @@ def _check_inputs(cfg) -> None:
     prepared corpus at data.path (its manifest and shard sizes; content is checked as it is read)
     whose vocabulary the model embeds (its validation split's too), and a model.init_from whose config.json
     matches model.* and whose safetensors files are whole (read only while the run has no checkpoint, as the
-    ranks read it)."""
+    ranks read it). A script's inputs are its own (cli/script_command.py checks what it can)."""
+    if cfg.script.command:
+        return
     if cfg.data.source == "prepared" and cfg.data.path:
         from engine.data.corpus import Corpus
         from engine.data.order import check_vocabulary
@@ -339,7 +341,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _resumable(cfg, *, allow_config_change: bool = False):
     """The config to resume the run's newest checkpoint with (its lr schedule kept when train.steps
-    grew); a config that cannot resume it is a ConfigError here, before anything is spawned."""
+    grew); a config that cannot resume it is a ConfigError here, before anything is spawned. A script's
+    trajectory is its own: its checkpoints are resumed as they are."""
+    if cfg.script.command:
+        return cfg
     from engine.rank.resume_check import check_resume
 
     cfg, note = check_resume(cfg, cfg.run.resolved_dir() / "checkpoints", allow_config_change=allow_config_change)
@@ -351,14 +356,15 @@ def _resumable(cfg, *, allow_config_change: bool = False):
 def _cmd_run(args: argparse.Namespace) -> int:
     from daemon.supervisor import Supervisor
 
+    from cli import script_command
+
     cfg = _resumable(_load_config(args.config, args.overrides), allow_config_change=args.allow_config_change)
     _check_inputs(cfg)
-    # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`), not
-    # the operator's: an edit of that file mid-run cannot split the ranks' config from the daemon's.
-    # Allowed a config change, they are for this daemon's life: a rollback may go back to a checkpoint
-    # trained before the change.
-    worker_cmd = [sys.executable, "-m", "cli", "train", *(["--allow-config-change"] if args.allow_config_change else [])]
-    scheduler_cmd = [sys.executable, "-m", "engine.rank.scheduler"]
+    # The ranks get the daemon's resolved config file (`--config <run.dir>/config.resolved.toml`; a script's
+    # client: LLM_PRETRAIN_CONFIG), not the operator's: an edit of that file mid-run cannot split the ranks'
+    # config from the daemon's. Allowed a config change, they are for this daemon's life: a rollback may go
+    # back to a checkpoint trained before the change.
+    cfg, worker_cmd, scheduler_cmd = script_command.commands(cfg, allow_config_change=args.allow_config_change)
     return Supervisor(cfg, worker_cmd=worker_cmd, scheduler_cmd=scheduler_cmd,
                       stream=_console(args, default=True)).run()
 

@@ -178,10 +178,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
             "last_checkpoint": last_ckpt,
             "checkpoint_intervals": {k: v for k, v in state.cadence.items() if k.endswith("interval_steps")} or None,
             "triage": dict(state.triage), "transient_by_rank": dict(state.transient_by_rank),
-            "lemons": {k: {"faults": len(e.get("faults") or ()), "quarantines": e.get("quarantines", 0),
-                           "quarantined_for_s": max(0.0, round(e["quarantined_until_unix_s"] - now, 1))
-                           if e.get("quarantined_until_unix_s") else 0.0, "reason": e.get("reason")}
-                       for k, e in state.lemons.items()} or None,
+            "lemons": _lemons(state, now),
             "rerun_pending": None if not state.rerun else {
                 k: state.rerun[k] for k in ("kind", "first_step", "last_step", "checkpoint_step")},
             "config_changes": state.config_changes or None,
@@ -193,7 +190,16 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
             "in_force": _in_force(state),
             "elapsed_s": round(until - state.started_unix_s, 1) if state.started_unix_s else None,
             "mean_step_s": p.get("mean_step_s"),
+            "script_reports": dict(state.script_reports) or None,
             "unsupervised_pids": [] if alive else _unsupervised(state)}
+
+
+def _lemons(state: RunState, now: float) -> dict[str, Any] | None:
+    """The devices and machines judged faulty: faults, quarantines, how long one is still left out, why."""
+    return {k: {"faults": len(e.get("faults") or ()), "quarantines": e.get("quarantines", 0),
+                "quarantined_for_s": max(0.0, round(e["quarantined_until_unix_s"] - now, 1))
+                if e.get("quarantined_until_unix_s") else 0.0, "reason": e.get("reason")}
+            for k, e in state.lemons.items()} or None
 
 
 def _duration(seconds: float | None) -> str:
@@ -234,6 +240,18 @@ def render(s: dict[str, Any]) -> str:
         rows.insert(rows.index(next(r for r in rows if r[0] == "last incident")) + 1,
                     ("last warning", f"{w['kind']} at step {w['first_step']}" + (f": {w['detail']}" if w["detail"] else "")
                      + (f"  ({s['warnings']} warnings in all)" if s["warnings"] > 1 else "")))
+    rows += _condition_rows(s)
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _condition_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """The rows shown only when there is something to say: what is off, reruns, quarantines, requests, failures,
+    what is in force, the machines."""
+    rows = []
+    if (said := s.get("script_reports")) and said.get("missing"):
+        rows.append(("detectors off", "the script reports no " + ", no ".join(said["missing"])
+                     + " (`llm-pretrain logs --event script_reports` says what each turns off)"))
     if s.get("checkpoint_intervals"):
         rows.append(("checkpoint every", ", ".join(f"{v} steps ({'RAM' if k.startswith('memory') else 'disk'}, auto)"
                                                    for k, v in s["checkpoint_intervals"].items())))
@@ -266,8 +284,7 @@ def render(s: dict[str, Any]) -> str:
     rows += _node_rows(s)
     if s.get("coordinator") == "unreachable":
         rows.append(("coordinator", "etcd unreachable (node liveness unknown)"))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return rows
 
 
 def _in_force_rows(f: dict[str, Any] | None) -> list[tuple[str, str]]:

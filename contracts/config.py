@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import types
 import typing
 from pathlib import Path
@@ -534,6 +535,38 @@ def device_ids(text: str) -> tuple[int, ...]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ScriptConfig:
+    """A training script of the user's own run as each rank instead of this project's engine
+    (docs/bring-your-own-script.md): it reports through `llm_pretrain_client`, and the daemon supervises it as it
+    does the engine's ranks. train.steps, train.global_batch, data.seq_len and parallel.dp then describe the
+    script's run (progress, tokens, ranks); model.* and data.* beyond seq_len are not read."""
+
+    command: str = ""              # the script and its arguments after the interpreter, quoted as a shell would:
+                                   # "train.py --lr 3e-4", "-m my_pkg.train"; "" = this project's engine
+    python: str = ""               # the interpreter that runs it (the script's own environment, with
+                                   # llm_pretrain_client installed); "" = the daemon's own
+    cwd: str = ""                  # its working directory; "" = the directory `run` was started in
+
+    def __post_init__(self) -> None:
+        if self.command:
+            try:
+                argv = shlex.split(self.command)
+            except ValueError as e:
+                _fail(f"script.command = {self.command!r} cannot be split into arguments ({e}); quote it as a "
+                      "shell would: \"train.py --name 'my run'\"")
+            if not argv:
+                _fail("script.command = \"\" after quoting holds no argument: name the script, \"train.py ...\"")
+        elif self.python or self.cwd:
+            _fail("script.python and script.cwd need script.command (the script to run); with no command the "
+                  "ranks run this project's engine")
+
+    @property
+    def argv(self) -> list[str]:
+        """The command's arguments after the interpreter ([] = the engine)."""
+        return shlex.split(self.command) if self.command else []
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
@@ -543,6 +576,7 @@ class Config:
     checkpoint: CheckpointConfig = CheckpointConfig()
     health: HealthConfig = HealthConfig()
     run: RunConfig = RunConfig()
+    script: ScriptConfig = ScriptConfig()
 
     def __post_init__(self) -> None:
         _check_cross_section(self)
@@ -609,7 +643,7 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps:
         _fail("checkpoint.memory_interval_steps: the RAM tier commits on one machine's tmpfs; with run.nodes > 1 "
               "set it to 0 (disk checkpoints only)")
-    if cfg.data.seq_len > m.max_seq_len:
+    if not cfg.script.command and cfg.data.seq_len > m.max_seq_len:     # a script's model is its own
         _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.precision == "bf16" and t.device != "ascend":
         _fail(f'train.precision = "bf16" needs train.device = "ascend"; on "{t.device}" use "fp32" or "fp16"')
@@ -629,6 +663,13 @@ def _check_cross_section(cfg: Config) -> None:
     if t.device == "ascend" and t.flash_attention and t.precision != "fp32" and m.head_dim % 16:
         _fail(f"model.hidden_size / model.num_heads = {m.head_dim} (the head size) must be a multiple of 16 for "
               "train.flash_attention = true (MindSpore's FlashAttentionScore); change the shape or set it to false")
+    if not cfg.script.command:      # the rest is about this project's model, which a script does not run
+        _check_model_layout(cfg)
+
+
+def _check_model_layout(cfg: Config) -> None:
+    """The model's shape against the parallel layout: what tp, sp and pp split must divide."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     if p.tp > 1:
         for key in ("num_heads", "num_kv_heads", "intermediate_size", "vocab_size"):
             if getattr(m, key) % p.tp:
@@ -798,6 +839,7 @@ _TRAJECTORY_NEUTRAL = {
     "train": {"device", "micro_batch", "grad_accum_steps", "recompute", "recompute_num_layers", "compute_threads",
               "fused_kernels", "flash_attention", "log_interval_steps", "steps", "eval_interval_steps", "eval_batches"},
     "parallel": "*", "checkpoint": "*", "health": "*", "run": "*",
+    "script": {"python", "cwd"},           # another environment or directory runs the same script
 }
 
 
@@ -806,7 +848,7 @@ def trajectory_dict(cfg: Config) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section, values in cfg.to_dict().items():
         neutral = _TRAJECTORY_NEUTRAL.get(section, set())
-        if neutral == "*":
+        if neutral == "*" or (section == "script" and not values["command"]):   # the engine: hashes as before
             continue
         out[section] = {k: v for k, v in values.items() if k not in neutral}
     out["optim"]["cosine_steps"] = cfg.cosine_steps

@@ -144,6 +144,8 @@ class PhaseEvent(_Event):
     phase: str                # one of PHASES
     step: int = 0
     startup_s: dict | None = None   # on "compile": seconds per start-up stage (engine/rank/startup.py)
+    reports: list[str] | None = None   # a script's rank (llm_pretrain_client), in its first event: what it reports
+                                       # of REPORTS; None: everything (this project's engine)
     kind: str = "phase"
 
 
@@ -176,6 +178,10 @@ class DataFaultEvent(_Event):
     detail: str = ""
     kind: str = "data_fault"
 
+
+# What a step event of a supervised script may lack (PhaseEvent.reports): without "grad_norm" its grad_norm is NaN
+# and the detectors that need it are off; without "skip_data" a rollback cannot skip a data window.
+REPORTS = ("loss", "grad_norm", "loss_scale", "lr", "data_position", "skip_data")
 
 # standby: formed, waiting; eval: the validation loss after a step (its first one compiles a graph)
 PHASES = ("restore", "compile", "train", "checkpoint", "paused", "exiting", "standby", "eval")
@@ -312,6 +318,7 @@ ENV_LOCAL_RANK = "LLM_PRETRAIN_LOCAL_RANK"       # this rank, 0 .. world - 1
 ENV_LOCAL_WORLD = "LLM_PRETRAIN_LOCAL_WORLD"     # the ranks in the group
 ENV_GROUP_HUB = "LLM_PRETRAIN_GROUP_HUB"         # host:port of a group's TCP hub (ranks on several machines)
 ENV_PHASE_BOARD = "LLM_PRETRAIN_PHASE_BOARD"     # path prefix of the generation's phase board (contracts.phase_board)
+ENV_CONFIG = "LLM_PRETRAIN_CONFIG"               # the run's resolved config (TOML) the rank runs with
 
 
 def activation_line(env: dict[str, str]) -> bytes:

@@ -202,7 +202,7 @@ class Supervisor:
                 w.request_stop(self.stop_reason, now, force=self.signals > 1)
             for e in ended:
                 w.on_exit(e.rank, e.code, now, oom_kills=e.oom_kills, peak_bytes=e.peak_bytes,
-                          device_oom_line=e.device_oom_line, refusal=e.refusal, error_line=e.error_line)
+                          device_oom_line=e.device_oom_line, refusal=e.refusal, error_line=e.error_line, hccl=e.hccl)
             outcome = w.tick(now, phases=gen.phases(), stopped=gen.stopped())
             self._apply(w.drain(), gen)
             if outcome is not None:

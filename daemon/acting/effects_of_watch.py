@@ -31,6 +31,8 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             _cadence(ledger, cfg, peers, files, saving=e)
         elif isinstance(e, watch.Validated):
             ledger.validated(e.event)
+        elif isinstance(e, watch.ScriptReports):
+            ledger.script_reports(e.reports)
         elif isinstance(e, watch.Warned):
             ledger.warn(e.incident)
         elif isinstance(e, watch.Triaged):

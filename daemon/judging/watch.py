@@ -117,6 +117,13 @@ class Triaged:
 
 
 @dataclasses.dataclass(frozen=True)
+class ScriptReports:
+    """A supervised script's rank told what its step events carry (PhaseEvent.reports): the detectors that need
+    what it lacks are off (daemon.judging.script_reports)."""
+    reports: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Committed:
     """A checkpoint was committed (retention, metrics, the `checkpoint_committed` event) while the
     watched rank was at `current_step`; `rank` reported it."""
@@ -233,6 +240,7 @@ class _Exit:
     device_oom_line: str | None = None
     refusal: str | None = None
     error_line: str | None = None
+    hccl: tuple[Mapping[str, Any], ...] = ()
 
 
 class Watch:
@@ -299,6 +307,8 @@ class Watch:
         p.since_s = now
         if isinstance(ev, PhaseEvent):
             p.phase, p.step = ev.phase, ev.step or p.step
+            if ev.reports is not None and ev.rank == self.watched:
+                self._do(ScriptReports(tuple(ev.reports)))
             if ev.phase == "compile" and ev.rank == self.watched:
                 self._do(Note("compiling", fields={"step": ev.step, **({"startup_s": ev.startup_s} if ev.startup_s else {}),
                                                    "detail": "the first step compiles the step "
@@ -466,12 +476,14 @@ class Watch:
 
     def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,
                 device_oom_line: str | None = None, refusal: str | None = None,
-                error_line: str | None = None) -> None:
+                error_line: str | None = None, hccl: Sequence[Mapping[str, Any]] = ()) -> None:
         """Rank `rank`'s process ended with `code` (negative: killed by that signal); `oom_kills` and
         `peak_bytes` from its memory cgroup, `device_oom_line` the allocator's error in its log,
         `refusal` its own one-line reason for a usage, data or config error, `error_line` the exception it
-        ended with otherwise (said in the incident: why a rank crashed, without opening its log)."""
-        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line, refusal, error_line))
+        ended with otherwise (said in the incident: why a rank crashed, without opening its log), `hccl` the faults
+        HCCL located (Ascend: daemon.judging.hccl_verdicts), in the incident too."""
+        self._exits.setdefault(rank, _Exit(code, oom_kills, peak_bytes, device_oom_line, refusal, error_line,
+                                           tuple(hccl)))
 
     def on_control(self, request: Request, now: float) -> None:
         """A request from the control directory while ranks run (already logged by the supervisor)."""
@@ -587,10 +599,14 @@ class Watch:
             return Failed(Incident(kind=Kind.OOM, first_step=step, last_step=step, rank=rank, exit_code=code,
                                    detail=f"rank {rank} ran out of memory ({cause})", evidence=oom))
         said = f": {ended.error_line}" if ended.error_line else ""
+        hccl = [dict(v) for v in ended.hccl]
+        if hccl:                         # HCCL names the root of a collective's failure, which may be another rank
+            said += "; HCCL: " + ", ".join(f"rank {v['rank']} {v['exception']}" if v["rank"] >= 0
+                                           else f"{v['exception']} ({v.get('reason', '')})" for v in hccl)
         self._do(Note("crash", "error", {"rank": rank, "exit_code": code, "cause": cause, "step": step, "log": log,
-                                         "error": ended.error_line}))
+                                         "error": ended.error_line, **({"hccl": hccl} if hccl else {})}))
         return Failed(Incident(kind=Kind.CRASH, first_step=step, last_step=step, rank=rank, exit_code=code,
-                               detail=f"rank {rank}: {cause}{said}"))
+                               detail=f"rank {rank}: {cause}{said}", evidence={"hccl": hccl} if hccl else {}))
 
     def _stall(self, now: float) -> Outcome | None:
         """A rank stuck inside a step while the others wait for it (daemon.judging.stall): named, its stacks

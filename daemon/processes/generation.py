@@ -102,16 +102,24 @@ def _with_parent_death_signal(sig: int | None, before_exec: Callable[[], None] |
     return run
 
 
+def rank_command(cfg: Config, worker_cmd: Sequence[str], resolved_config: Path) -> list[str]:
+    """What a rank runs: the engine's command told the run's resolved config, or a user's script (script.command)
+    as it is (its client finds the config through LLM_PRETRAIN_CONFIG)."""
+    if cfg.script.command:
+        return list(worker_cmd)
+    return [*worker_cmd, "--config", str(resolved_config)]
+
+
 def spawn(cmd: Sequence[str], *, env: Mapping[str, str], log_path: Path, role: str, rank: int,
           before_exec: Callable[[], None] | None = None, parent_death_signal: int | None = None,
-          pass_fds: Sequence[int] = ()) -> Worker:
-    """Starts `cmd` as the leader of a new process group (and session), stdout and stderr to `log_path`;
-    `before_exec` runs in the child before it execs (joining a memory cgroup); `parent_death_signal`
-    is sent to it by the kernel if the daemon dies."""
+          pass_fds: Sequence[int] = (), cwd: str | None = None) -> Worker:
+    """Starts `cmd` as the leader of a new process group (and session), in `cwd` (None: the daemon's), stdout and
+    stderr to `log_path`; `before_exec` runs in the child before it execs (joining a memory cgroup);
+    `parent_death_signal` is sent to it by the kernel if the daemon dies."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab", buffering=0) as log:
         start = log.seek(0, os.SEEK_END)
-        popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT,
+        popen = subprocess.Popen(list(cmd), env=dict(env), stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                  stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=tuple(pass_fds),
                                  preexec_fn=_with_parent_death_signal(parent_death_signal, before_exec))
     return Worker(role=role, rank=rank, popen=popen, log_path=log_path, log_start=start)
@@ -198,7 +206,7 @@ def spawn_rank(cfg: Config, rank: int, cmd: Sequence[str], env: Mapping[str, str
     try:
         worker = spawn(cmd, env=env, role="rank", rank=rank, log_path=log_dir / f"rank-{rank}.log",
                        before_exec=group.join if group else None, parent_death_signal=signal.SIGTERM,
-                       pass_fds=pass_fds)
+                       pass_fds=pass_fds, cwd=cfg.script.cwd or None)
     except BaseException:
         if group is not None:
             group.remove()
@@ -216,6 +224,7 @@ class RankExit:
     device_oom_line: str | None = None
     refusal: str | None = None            # its one-line reason, for a usage, data or config error
     error_line: str | None = None         # otherwise, the exception it ended with (its log's traceback)
+    hccl: tuple[dict, ...] = ()           # Ascend: the faults HCCL located (daemon.judging.hccl_verdicts)
 
 
 class Generation:
@@ -225,6 +234,7 @@ class Generation:
                  memcg_parent: tuple[int, Path] | None, cgroup_dir: str):
         self.cfg, self.number = cfg, number
         self.sock_path, self.log_dir = sock_path, log_dir
+        self.started_unix_s = time.time()        # a crashed rank's plog files written since count (HCCL's verdicts)
         self.memcg_parent, self.cgroup_dir = memcg_parent, cgroup_dir
         self.workers: list[Worker] = []
         self.final_memory: dict | None = None    # peak memory and OOM kills per rank, after teardown
@@ -261,12 +271,13 @@ class Generation:
             self.start_scheduler(scheduler_cmd, files.scheduler_env(env, cfg, port=port, generation=n))
         if standby is None:
             for rank in ranks:
-                self.start_rank(rank, [*worker_cmd, "--config", str(files.resolved_config)],
+                self.start_rank(rank, rank_command(cfg, worker_cmd, files.resolved_config),
                                 files.rank_env(env, cfg, rank=rank, port=port, generation=n, sock=self.sock_path))
         return port
 
     def start_scheduler(self, cmd: Sequence[str], env: Mapping[str, str]) -> None:
-        self.workers.append(spawn(cmd, env=env, role="scheduler", rank=-1, log_path=self.log_dir / "scheduler.log"))
+        self.workers.append(spawn(cmd, env=env, role="scheduler", rank=-1, log_path=self.log_dir / "scheduler.log",
+                                  cwd=self.cfg.script.cwd or None))
 
     def start_rank(self, rank: int, cmd: Sequence[str], env: Mapping[str, str]) -> None:
         self.workers.append(spawn_rank(self.cfg, rank, cmd, env, log_dir=self.log_dir, memcg_parent=self.memcg_parent,
@@ -318,8 +329,15 @@ class Generation:
                                 refusal=rank_log.refusal_line(w.log_path, w.log_start)
                                 if code in FINAL_WORKER_CODES else None,
                                 error_line=rank_log.error_line(w.log_path, w.log_start)
-                                if code > 0 and code not in FINAL_WORKER_CODES else None))
+                                if code > 0 and code not in FINAL_WORKER_CODES else None,
+                                hccl=self._hccl(w) if code != 0 else ()))
         return out
+
+    def _hccl(self, w: Worker) -> tuple[dict, ...]:
+        if self.cfg.train.device != "ascend":
+            return ()
+        return tuple(rank_log.hccl_verdicts(w.log_path, w.log_start, rank_log.plog_dir(self.log_dir, w.rank),
+                                            since_unix_s=self.started_unix_s))
 
     def phases(self) -> dict[int, Slot]:
         """Where each rank is inside its step now (contracts.phase_board), for the watch's stall check."""

@@ -77,7 +77,8 @@ def is_local_group(cfg: Config) -> bool:
     """Whether the ranks form a local group (see the module's docstring) rather than a MindSpore
     cluster: on one machine through shared memory, on several through a hub."""
     return (cfg.parallel.local_reduce and cfg.train.device == "cpu" and cfg.parallel.world_size > 1
-            and cfg.parallel.tp == 1 and cfg.parallel.pp == 1)
+            and cfg.parallel.tp == 1 and cfg.parallel.pp == 1
+            and not cfg.script.command)         # a user's script sums through MindSpore's own collectives
 
 
 def has_hub(cfg: Config) -> bool:

@@ -56,3 +56,25 @@ def error_line(log_path: Path, start: int = 0) -> str | None:
     if raised:
         return raised[-1][:300]
     return refusal_line(log_path, start)
+
+
+def plog_dir(log_dir: Path, rank: int) -> Path:
+    """Where an Ascend rank's CANN logs (plog) go (ASCEND_PROCESS_LOG_PATH, unless the operator set it): beside its
+    own log, so the daemon reads HCCL's verdicts from them."""
+    return log_dir / "plog" / f"rank-{rank}"
+
+
+def hccl_verdicts(log_path: Path, start: int, plogs: Path | None, since_unix_s: float) -> list[dict]:
+    """HCCL's located faults (daemon.judging.hccl_verdicts) in this process's part of its log and in the plog files
+    written since `since_unix_s` (each file's tail), as dicts for the incident."""
+    from daemon.judging import hccl_verdicts as hccl
+
+    texts = [_tail(log_path, start) or ""]
+    if plogs is not None and plogs.is_dir():
+        for path in sorted(plogs.rglob("*.log")):
+            try:
+                if path.stat().st_mtime >= since_unix_s:
+                    texts.append(_tail(path, 0) or "")
+            except OSError:
+                continue
+    return [v.to_dict() for v in hccl.verdicts(line for text in texts for line in text.splitlines())]

@@ -19,6 +19,7 @@ from checkpointing import CheckpointError, layout, reader, retention
 from contracts.config import Config, to_toml, with_changes
 from contracts.protocol import (
     ENV_COMMANDS,
+    ENV_CONFIG,
     ENV_EVENT_SOCKET,
     ENV_MEMORY_LIMIT,
     ENV_NODE,
@@ -31,7 +32,7 @@ from contracts.protocol import (
 from daemon.judging.cadence import interval_args
 from daemon.judging.incidents import IncidentRecord
 from daemon.judging.policy import newest_healthy
-from daemon.processes import mindspore_env
+from daemon.processes import mindspore_env, rank_log
 from daemon.processes.generation import worker_env
 from daemon.records import bundles
 from durable import write_atomically
@@ -131,7 +132,9 @@ class RunFiles:
         incident's steps and a fresh commands file, ready for the ranks; returns the step they resume from.
         The commands file starts with the checkpoint intervals in force when they are "auto" (`cadence`:
         state.json's, daemon.judging.cadence): the ranks take them after their first step."""
-        resolved = with_changes(cfg, {"run.dir": str(self.run_dir), "run.log_dir": str(self.log_dir)})
+        run_dir, log_dir = ((self.run_dir.resolve(), self.log_dir.resolve()) if cfg.script.command   # another cwd
+                            else (self.run_dir, self.log_dir))
+        resolved = with_changes(cfg, {"run.dir": str(run_dir), "run.log_dir": str(log_dir)})
         write_atomically(self.resolved_config, to_toml(resolved, [
             "written by the llm-pretrain daemon for each generation: the config its ranks run with",
             "(the operator's file as the daemon read it at its start, plus the recovery policy's changes)"]))
@@ -161,11 +164,14 @@ class RunFiles:
     def rank_env(self, env: Mapping[str, str], cfg: Config, *, rank: int, port: int, generation: int,
                  sock: Path) -> dict[str, str]:
         base = {k: v for k, v in env.items() if k not in _SYSTEMD_ONLY}   # the daemon speaks for them
-        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands), ENV_NODE: str(self.node)})
+        base.update({ENV_EVENT_SOCKET: str(sock), ENV_COMMANDS: str(self.commands), ENV_NODE: str(self.node),
+                     ENV_CONFIG: str(self.resolved_config)})
         if self.recovery.exists():
             base[ENV_RECOVERY] = str(self.recovery)
         if self.rerun.exists():
             base[ENV_RERUN] = str(self.rerun)
+        if cfg.train.device == "ascend":           # CANN's logs beside the rank's: HCCL's verdicts are read there
+            base.setdefault("ASCEND_PROCESS_LOG_PATH", str(rank_log.plog_dir(self.log_dir, rank)))
         if cfg.run.worker_memory_limit_bytes:
             base[ENV_MEMORY_LIMIT] = str(cfg.run.worker_memory_limit_bytes)
         if cfg.run.compile_cache:

@@ -49,7 +49,7 @@ READ_AFTER_ACTIVATION = (*CLUSTER_VARIABLES, "MS_COMPILER_CACHE_PATH")
 
 def wanted(cfg: Config) -> bool:
     """Whether this run keeps a standby (run.standby, where it is safe: see the module's docstring)."""
-    return (cfg.run.standby and cfg.train.device == "cpu"
+    return (cfg.run.standby and cfg.train.device == "cpu" and not cfg.script.command   # a script starts cold
             and (cfg.run.nodes > 1 or cfg.run.master_port == 0 or cfg.parallel.world_size == 1))
 
 

@@ -16,10 +16,10 @@ import os
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from contracts.protocol import EvalEvent, RecoveryDirective, StepEvent
-from daemon.judging import quarantine
+from daemon.judging import quarantine, script_reports
 from daemon.judging.cadence import Cadence
 from daemon.judging.incidents import Incident, IncidentRecord, Kind
 from daemon.judging.requests import Request
@@ -247,6 +247,16 @@ class Ledger:
         self.metrics.flush()
         self.state.note_validation({"step": ev.step, "loss": ev.loss, "perplexity": ev.perplexity,
                                     "unix_s": time.time()})
+        self.save()
+
+    def script_reports(self, reports: Sequence[str]) -> None:
+        """What a supervised script reports: said once, in a `script_reports` event naming the detectors that are off
+        (again only when it changes: another script version), and kept for status."""
+        said = script_reports.describe(reports)
+        if said == self.state.script_reports:
+            return
+        self.emit("script_reports", level="warning" if said["missing"] else "info", **said)
+        self.state.note_script_reports(said)
         self.save()
 
     def progress(self, ev: StepEvent, *, log: bool, notify: bool, compiled: bool = False) -> None:

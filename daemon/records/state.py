@@ -73,6 +73,7 @@ class RunState:
     total_steps: int = 0                 # train.steps of the run
     last_progress: dict[str, Any] = dataclasses.field(default_factory=dict)   # step, loss, tokens_per_s, unix_s
     last_validation: dict[str, Any] = dataclasses.field(default_factory=dict)  # step, loss, perplexity, unix_s
+    script_reports: dict[str, Any] = dataclasses.field(default_factory=dict)  # a script's: reports, missing, off, detail
     daemon_pid: int = 0
     started_unix_s: float = 0.0          # when the run's first daemon began (status: elapsed)
     updated_unix_s: float = 0.0
@@ -263,6 +264,10 @@ class RunState:
     def take_control(self, *, name: str, file: str, unix_s: float, reason: str | None) -> None:
         """The last control request taken (status shows it)."""
         self.last_control = {"name": name, "file": file, "unix_s": unix_s, "reason": reason}
+
+    def note_script_reports(self, said: Mapping[str, Any]) -> None:
+        """What a supervised script reports and what is off for it (daemon.judging.script_reports.describe)."""
+        self.script_reports = dict(said)
 
     def note_validation(self, validation: Mapping[str, Any]) -> None:
         """The last validation loss measured: step, loss, perplexity, when (status shows it)."""

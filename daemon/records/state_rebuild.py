@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from contracts import strict_json
+from daemon.judging import script_reports
 from daemon.judging.incidents import IncidentRecord
 from daemon.judging.triage import VERDICTS
 from daemon.records.eventlog import ts_unix_s
@@ -83,6 +84,8 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
         elif name == "progress":
             state.note_progress(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
                                                    "unix_s": _unix_s(e.get("ts"))}))
+        elif name == "script_reports" and isinstance(e.get("reports"), list):
+            state.note_script_reports(script_reports.describe([r for r in e["reports"] if isinstance(r, str)]))
         elif name == "validation":
             state.note_validation(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
                                                      "unix_s": _unix_s(e.get("ts"))}))

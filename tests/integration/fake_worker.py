@@ -23,11 +23,12 @@ which it resumes. Faults on cue, in chosen generations:
     --gate-at STEP --gate PATH   from STEP on, wait before each step until PATH exists or a
                          SIGTERM comes (a test's cue that what must happen first has happened)
     --fault-generations G[,G...]   only in these generations (default: all)
+    --reports R[,R...]   say what it reports, as a supervised script's client does (PhaseEvent.reports)
 
 It honours `interval` commands (the daemon's checkpoint interval when it is "auto") and the recovery
 directive (skip ranges move its sample ranges; lr overrides set the reported lr multiplier) and reads
 nothing from the config
-file the daemon hands it (`--config`) but prints its [train], [optim] and [parallel]
+file the daemon hands it (`--config`, or LLM_PRETRAIN_CONFIG run as a script) but prints its [train], [optim] and [parallel]
 keys, so tests can see the config each generation was started with.
 """
 import argparse
@@ -44,6 +45,7 @@ import tomllib
 
 from contracts.protocol import (
     ENV_COMMANDS,
+    ENV_CONFIG,
     ENV_EVENT_SOCKET,
     ENV_GENERATION,
     ENV_GROUP_HUB,
@@ -115,7 +117,8 @@ def main() -> int:
     ap.add_argument("--fingerprint-every", type=int)
     ap.add_argument("--save-s", type=float, default=0.0)
     ap.add_argument("--corrupt-at", type=int)
-    ap.add_argument("--config")
+    ap.add_argument("--config", default=os.environ.get(ENV_CONFIG))   # run as a user's script: the daemon's env says
+    ap.add_argument("--reports")                  # a script's rank: what it reports (PhaseEvent.reports), comma-separated
     ap.add_argument("--ignore-term", action="store_true")
     ap.add_argument("--linger-s", type=float, default=0.0)     # after the exit event (a framework's teardown)
     ap.add_argument("--rank-faults", type=int)
@@ -173,7 +176,8 @@ def main() -> int:
         if ckpts.is_dir() else []
     step = max(done, default=0)
     emit(PhaseEvent(rank=rank, generation=generation, phase="restore", step=step))
-    emit(PhaseEvent(rank=rank, generation=generation, phase="compile", step=step))
+    emit(PhaseEvent(rank=rank, generation=generation, phase="compile", step=step,
+                    reports=None if a.reports is None else [r for r in a.reports.split(",") if r]))
 
     def save():
         if a.save_s:       # the save blocks the step this long (said as its `staged` cost)
