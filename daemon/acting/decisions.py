@@ -41,7 +41,8 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     steps = files.committed_steps()                 # one scan of the manifests serves both
     committed = steps[-1] if steps else 0
     ledger.note_committed(committed, counts_progress=incident.kind.is_process_fault)
-    history = _history(ledger, steps, memory_steps=files.memory_steps() if cfg.run.nodes == 1 else ())
+    history = _history(ledger, steps, memory_steps=files.memory_steps() if cfg.run.nodes == 1 else (),
+                       script=bool(cfg.script.command))
     action = policy.decide(incident, history, cfg.health, cfg.train)
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
@@ -79,15 +80,18 @@ def _record_decision(ledger: Ledger, record: IncidentRecord, *,
     ledger.record(record, "incident", "error", in_force=in_force)
 
 
-def _history(ledger: Ledger, steps: list[int], memory_steps: list[int] | tuple = ()) -> policy.RunHistory:
+def _history(ledger: Ledger, steps: list[int], memory_steps: list[int] | tuple = (),
+             script: bool = False) -> policy.RunHistory:
     """What the policy is told of the run: its rollbacks, checkpoints (the RAM tier's: one machine's,
-    for a rerun), restarts, samples, quarantine, and where reruns found a transient fault."""
+    for a rerun), restarts, samples, quarantine, where reruns found a transient fault, and whether the ranks
+    run a user's script and that script can skip data."""
     state = ledger.state
     return policy.RunHistory(incidents=[r.incident for r in state.incidents if r.is_rollback],
                              committed_steps=steps, restarts_without_progress=state.restarts_without_progress,
                              sample_ranges=ledger.sample_ranges,
                              quarantined=state.recovery.quarantined_blocks if state.recovery else (),
-                             transient_steps=tuple(state.transient_steps), memory_steps=tuple(memory_steps))
+                             transient_steps=tuple(state.transient_steps), memory_steps=tuple(memory_steps),
+                             script=script, can_skip="skip_data" not in state.script_reports.get("missing", ()))
 
 
 def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:

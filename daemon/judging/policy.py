@@ -57,6 +57,8 @@ class RunHistory:
     quarantined: Sequence[tuple[str, int]] = ()   # corpus blocks quarantined so far
     transient_steps: Sequence[int] = ()           # first steps of incidents a rerun found transient
     memory_steps: Sequence[int] = ()              # the RAM tier's committed checkpoints (a rerun's nearest start)
+    script: bool = False                          # the ranks run a user's script (config [script]) ...
+    can_skip: bool = True                         # ... which can skip a data window (its client reports skip_data)
 
 
 def is_healthy(step: int, incidents: Sequence[Incident], margin: int) -> bool:
@@ -160,7 +162,10 @@ def _overflow_storm(incident: Incident, history: RunHistory, h: HealthConfig, tr
 
 
 def _smaller(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
-    """Out of memory: recompute on, then half the micro-batch at twice the accumulation."""
+    """Out of memory: recompute on, then half the micro-batch at twice the accumulation. A script's batch and
+    recompute are its own: it is restarted as it is (the crash loop's limit ends a run that keeps running out)."""
+    if history.script:
+        return Restart("out of memory in the script (its batch and recompute are its own: restarted as it is)")
     if not train.recompute:
         return Restart("out of memory: recompute on", {"train.recompute": True})
     if train.micro_batch > 1 and train.micro_batch % 2 == 0:
@@ -205,10 +210,11 @@ def _cut_lr(kind: Kind, incident: Incident, history: RunHistory, h: HealthConfig
                     f"the floor x{h.lr_floor_factor:g}", ExitCode.GAVE_UP_NUMERICS)
     first, last = incident.first_step, incident.last_step
     seen = [r for step, r in history.sample_ranges.items() if first <= step <= last]
-    skip = (min(a for a, _ in seen), max(b for _, b in seen)) if seen else None
+    skip = (min(a for a, _ in seen), max(b for _, b in seen)) if seen and history.can_skip else None
     override = LrOverride(start_step=target + 1, factor=factor, hold_steps=h.lr_hold_steps,
                           ramp_steps=h.lr_ramp_steps)
-    return Rollback(f"{kind.value} #{n}: roll back to step {target}, skip samples {skip}, lr x{factor:g}",
+    skipped = f"skip samples {skip}" if history.can_skip else "the window trained again (the script cannot skip data)"
+    return Rollback(f"{kind.value} #{n}: roll back to step {target}, {skipped}, lr x{factor:g}",
                     checkpoint_step=target, skip=skip, lr_overrides=(override,))
 
 

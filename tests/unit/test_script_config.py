@@ -63,3 +63,23 @@ def test_a_state_rebuilt_from_the_events_keeps_the_last_thing_the_script_said():
               {"event": "script_reports", "reports": ["loss", "grad_norm"], "ts": "2026-12-06T07:01:00.000Z"}]
     state, _ = state_from_events(events)
     assert state.script_reports == script_reports.describe(["loss", "grad_norm"])
+
+
+def test_a_script_that_cannot_skip_data_is_rolled_back_with_the_lr_cut_and_no_skip_claimed():
+    from daemon.judging import policy
+    from daemon.judging.incidents import Incident, Kind, Restart, Rollback
+
+    cfg = load_config(None)
+    spike = Incident(kind=Kind.LOSS_SPIKE, first_step=203, last_step=205,
+                     evidence={"triage": {"verdict": "deterministic"}})
+    ranges = {s: (8 * (s - 1), 8 * s) for s in range(1, 400)}
+    can = policy.decide(spike, policy.RunHistory(committed_steps=(100, 150), sample_ranges=ranges, script=True),
+                        cfg.health, cfg.train)
+    cannot = policy.decide(spike, policy.RunHistory(committed_steps=(100, 150), sample_ranges=ranges, script=True,
+                                                    can_skip=False), cfg.health, cfg.train)
+    assert isinstance(can, Rollback) and can.skip == (8 * 202, 8 * 205)
+    assert isinstance(cannot, Rollback) and cannot.skip is None and cannot.lr_overrides == can.lr_overrides
+    assert "cannot skip data" in cannot.reason
+    oom = policy.decide(Incident(kind=Kind.OOM, first_step=10, last_step=10), policy.RunHistory(script=True),
+                        cfg.health, cfg.train)
+    assert isinstance(oom, Restart) and not oom.config_changes      # the script's batch is not the daemon's
