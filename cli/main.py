@@ -311,7 +311,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         scheduler.main()
         return ExitCode.OK
-    from engine.rank.events import TolerantStream
+    from contracts.event_sink import TolerantStream
 
     # a full disk under the log; whole lines (the log is shared with the ranks being torn down)
     sys.stdout, sys.stderr = TolerantStream(sys.stdout), TolerantStream(sys.stderr)

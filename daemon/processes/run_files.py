@@ -109,7 +109,7 @@ class RunFiles:
 
     def faulty_devices(self) -> list[dict]:
         """The devices a faulty-rank drill turned faulty for good (the ranks' markers under `<run.dir>/drills/`,
-        engine.rank.drills), as drills in force: every generation on them is labelled a drill's."""
+        contracts.drills), as drills in force: every generation on them is labelled a drill's."""
         found = []
         for mark in sorted((self.run_dir / "drills").glob("faulty-node*-device*")):
             node, _, device = mark.name.removeprefix("faulty-node").partition("-device")
@@ -174,7 +174,8 @@ class RunFiles:
             base.setdefault("ASCEND_PROCESS_LOG_PATH", str(rank_log.plog_dir(self.log_dir, rank)))
         if cfg.run.worker_memory_limit_bytes:
             base[ENV_MEMORY_LIMIT] = str(cfg.run.worker_memory_limit_bytes)
-        if cfg.run.compile_cache:
+        if cfg.run.compile_cache and not cfg.script.command:   # a script's graphs are its own: a cache keyed by
+            # this project's model config would hand a changed script its old graph (measured: NaN from step 1)
             base.update(MS_COMPILER_CACHE_ENABLE="1", MS_COMPILER_CACHE_PATH=str(self.compile_cache_dir(cfg)))
         return worker_env(base, cfg, rank=rank, port=port, generation=generation)
 

@@ -23,7 +23,7 @@ from contracts.protocol import (
     take_environment,
 )
 from engine.rank import runtime, startup
-from engine.rank.events import EventSink
+from contracts.event_sink import EventSink
 from engine.training.gradient_sum import local_group
 
 

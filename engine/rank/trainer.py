@@ -19,7 +19,10 @@ from typing import Any, Iterator, Sequence, TextIO
 
 import numpy as np
 
+from contracts.command_tail import hold
 from contracts.config import Config
+from contracts.drills import Drills
+from contracts.event_sink import EventSink
 from contracts.phase_board import PhaseWriter
 from contracts.protocol import (
     AUTO_FIRST_STEPS,
@@ -38,15 +41,13 @@ from contracts.protocol import (
     RerunDirective,
     StepEvent,
 )
+from contracts.stop_signal import StopSignal
 from engine.data import order
 from engine.data.corpus_blocks import CorruptBlockError
 from engine.data.feed import FedStep, feed
 from engine.rank import runtime
 from engine.rank.commands import CommandReader
-from engine.rank.drills import Drills
-from engine.rank.events import EventSink
 from engine.rank.startup import StartupClock
-from engine.rank.stop_signal import StopSignal
 from engine.training import schedule
 
 
@@ -460,7 +461,7 @@ class RankRun:
         self.ckpt.wait()
         self.phase("paused", self.trainer.step)
         self.board("paused")
-        outcome, self.applied = _hold(self.commands, self.applied, self.stop)
+        outcome, self.applied = hold(self.commands, self.applied, self.stop)
         if outcome == "resume":
             self.phase("train", self.trainer.step)
             self.board("between")
@@ -481,21 +482,6 @@ class RankRun:
             raise CheckpointSaveError(f"the checkpoint of step {trainer.step} could not be saved: "
                                       f"{self.ckpt.writer.last_error}")
         return end
-
-
-def _hold(commands: CommandReader, applied: int, stop: StopSignal, poll_s: float = 0.1) -> tuple[str, int]:
-    """Paused: no steps, no collectives. Every rank reads the same commands file, so every rank
-    leaves on the same command: resume (train on), stop, or release (the supervisor frees the
-    devices; the run resumes from the pause checkpoint in a later generation)."""
-    while True:
-        if stop.requested:
-            return "stop", applied
-        commands.poll()
-        for seq in sorted(s for s in commands.commands if s > applied):
-            applied = seq
-            if commands.commands[seq].name in ("resume", "stop", "release"):
-                return commands.commands[seq].name, applied
-        time.sleep(poll_s)
 
 
 def _read_directive(env, variable: str, kind):

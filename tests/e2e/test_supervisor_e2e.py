@@ -185,7 +185,7 @@ def test_kill_9_of_the_supervisor_then_restart(cli, quiet_env, tmp_path, stdlib_
     exit; a new daemon resumes from that commit and reaps whatever of the old generation is left (the
     scheduler ends by itself or is reaped). The kernel sends that signal once per daemon thread the
     rank is handed through, and MindSpore SIGTERMs a rank whose peer has exited: a rank that exited
-    on a repeated SIGTERM lost this save, one kill in three (engine/rank/stop_signal.py)."""
+    on a repeated SIGTERM lost this save, one kill in three (engine/contracts/stop_signal.py)."""
     proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, steps=80)
     _wait_for(lambda: len(layout.committed_steps(run / "checkpoints")) >= 2, what="two checkpoints")
     old = RunState.load(run).processes

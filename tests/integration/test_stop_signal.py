@@ -1,4 +1,4 @@
-"""A rank's stop request by signal (engine/rank/stop_signal.py) against the kernel's real parent-death signal.
+"""A rank's stop request by signal (contracts/stop_signal.py) against the kernel's real parent-death signal.
 
 A daemon killed with SIGKILL dies thread by thread, and its child, handed from
 one dying thread to the next, gets the parent-death signal each time: a rank
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # the next only once the last was handled: never two pending at once, which the kernel merges into one.
 RANK = textwrap.dedent("""
     import os, sys, time
-    from engine.rank.stop_signal import StopSignal
+    from contracts.stop_signal import StopSignal
     stop = StopSignal()
     out = sys.argv[1]
     parent = os.getppid()

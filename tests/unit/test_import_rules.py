@@ -179,7 +179,7 @@ def test_checkpointing_imports_neither_daemon_nor_engine(path):
                                   "layout/plan.py", "layout/dry_run.py", "data/__init__.py", "data/order.py",
                                   "data/corpus.py", "data/corpus_blocks.py", "data/prepare.py", "data/tokenizer.py",
                                   "training/__init__.py", "training/schedule.py", "rank/__init__.py",
-                                  "rank/startup.py", "rank/stop_signal.py", "rank/resume_check.py"])
+                                  "rank/startup.py", "rank/resume_check.py"])
 def test_engine_modules_the_command_line_may_load_do_not_import_mindspore(name):
     assert not any(n.startswith("mindspore") for n in _imports(ROOT / "engine" / name))
 

@@ -143,3 +143,16 @@ def test_an_ascend_generation_turns_hccls_own_fault_detection_on_unless_the_oper
     assert own["HCCL_DFS_CONFIG"] == "cluster_heartbeat:off"
     cpu = load_config(None, ["parallel.dp=2", "train.micro_batch=4"])
     assert "HCCL_DFS_CONFIG" not in worker_env({"PATH": "/bin"}, cpu, rank=1, port=4711, generation=2)
+
+
+def test_a_scripts_ranks_get_no_compile_cache_keyed_by_this_projects_model(tmp_path):
+    """The cache directory is named from the engine's model and layout; a user's script compiles graphs of its
+    own, which a cache of that name would hand back stale after the script changed."""
+    from daemon.processes.run_files import RunFiles
+
+    engine = load_config(None, [f'run.dir="{tmp_path}"'])
+    script = load_config(None, [f'run.dir="{tmp_path}"', "script.command='train.py'"])
+    sock = tmp_path / "s.sock"
+    env_of = lambda cfg: RunFiles(cfg, {}).rank_env({}, cfg, rank=0, port=29500, generation=1, sock=sock)
+    assert env_of(engine)["MS_COMPILER_CACHE_ENABLE"] == "1"
+    assert "MS_COMPILER_CACHE_ENABLE" not in env_of(script) and "MS_COMPILER_CACHE_PATH" not in env_of(script)

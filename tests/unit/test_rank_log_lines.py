@@ -1,4 +1,4 @@
-"""A rank's log lines stay whole when other processes write the same log (engine/rank/events.py).
+"""A rank's log lines stay whole when other processes write the same log (engine/contracts/event_sink.py).
 
 print() hands a stream a line and then its newline; unbuffered (PYTHONUNBUFFERED, as on the CI machine)
 each is its own write, and a generation's rank being torn down while the next one's rank writes the same
@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from engine.rank.events import TolerantStream
+from contracts.event_sink import TolerantStream
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from daemon.judging.health import HealthMonitor
 from daemon.judging.incidents import Incident, IncidentRecord, Kind, Rollback
 from daemon.judging.policy import RunHistory, merge_recovery
 from daemon.processes import control, memcg
-from engine.rank.drills import Drills
+from contracts.drills import Drills
 from tests.unit.steps import step_event
 
 CFG = load_config(None)

@@ -1,4 +1,5 @@
-"""Fault drills: what an `inject` command does inside a rank, so operators can rehearse recovery.
+"""Fault drills: what an `inject` command does inside a rank, so operators can rehearse recovery — the engine's
+ranks and a supervised script's (llm_pretrain_client) alike, so both sides share it here. Stdlib only.
 
 Owns: turning agreed `inject` commands into faults at chosen steps of this
 generation (a drill is one-shot: a restarted generation does not repeat it, but for a data drill
