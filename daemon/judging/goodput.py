@@ -15,7 +15,8 @@ the interval since then:
   rank accounted for), `start` (a generation opened, its processes starting), `restore`, `compile`
   (to the end of the generation's first step, which compiles), `teardown` (from a generation's end
   — the last step before a crash or hang, the decision, the backoff — to the next one's opening),
-  `paused`, `waiting_for_machines`.
+  `paused`, `waiting_for_machines`. A generation's time after its last step (a crash's detection, a
+  hang's timeout, the last save) is teardown too.
 
 A step is *productive* the first time its number is trained; a step at or below the highest step
 trained before (after a rollback, a rerun, a restart from an older checkpoint) is `retrained`. The
@@ -110,9 +111,10 @@ class Goodput:
         self._enter("waiting", now)
 
     def generation_over(self, now: float) -> None:
-        """A generation ended (finished, stopped, failed): what follows until the next one opens is teardown."""
-        self._enter("teardown", now)
-        self.stepping = False
+        """A generation ended (finished, stopped, failed): teardown, from its last step (what came after it —
+        a crash's detection, a hang's timeout, the last save — and what follows until the next one opens)."""
+        self.mode, self.stepping = "teardown", False
+        self.settle(now)
 
     # The accounting -------------------------------------------------------------------------------------
     def _claim(self, cause: str, seconds: float) -> None:
