@@ -10,7 +10,9 @@ the interval since then:
 
 - what the ranks measured and said — a step's `step_s` (less its `data_wait_s`), its data wait, a
   checkpoint's `staged` seconds, a validation's seconds — is a *claim* on that interval, credited to
-  its cause (claims beyond the interval wait for the next one: the sum is always the wall time);
+  its cause (claims beyond the interval wait for the next one: the sum is always the wall time). While
+  training, up to SLACK_S of time no claim has taken yet is held (`slack`) before it is called `other`:
+  the ranks' events reach the daemon a tick late, several at a time, and their claims take it then;
 - the rest goes to the cause of the daemon's *mode*: `other` while training (time between steps no
   rank accounted for), `start` (a generation opened, its processes starting), `restore`, `compile`
   (to the end of the generation's first step, which compiles), `teardown` (from a generation's end
@@ -35,6 +37,7 @@ RESTART = ("teardown", "start", "restore", "compile")    # what a restart costs,
 CAUSES = (*RESTART, "retrained", "checkpoint", "data_wait", "validation", "paused", "waiting_for_machines",
           "daemon_down", "other")
 CLAIMED = ("productive", "retrained", "checkpoint", "data_wait", "validation")   # measured by the ranks
+SLACK_S = 2.0          # unclaimed training time held for late claims before it is `other`
 MODES = {"start": "start", "restore": "restore", "compile": "compile", "training": "other", "teardown": "teardown",
          "paused": "paused", "waiting": "waiting_for_machines"}      # mode -> where its unclaimed time goes
 
@@ -50,6 +53,7 @@ class Goodput:
     stepping: bool = False             # the current generation has made its first (compiling) step
     at_unix_s: float | None = None     # settled up to here (None: the run has not begun)
     pending: dict[str, float] = dataclasses.field(default_factory=dict)   # claims not yet settled
+    slack_s: float = 0.0               # settled time no claim has taken yet (training: up to SLACK_S)
 
     # What the daemon sees ---------------------------------------------------------------------------
     def resume(self, now: float, *, ended: bool) -> float:
@@ -60,6 +64,8 @@ class Goodput:
             down = max(0.0, now - self.at_unix_s)
             self.badput_s["daemon_down"] += down
         self.at_unix_s, self.mode, self.stepping, self.pending = now, "start", False, {}
+        self._credit("other", self.slack_s)      # held for claims that will not come now
+        self.slack_s = 0.0
         return down
 
     def open_generation(self, now: float) -> None:
@@ -113,6 +119,7 @@ class Goodput:
     def generation_over(self, now: float) -> None:
         """A generation ended (finished, stopped, failed): teardown, from its last step (what came after it —
         a crash's detection, a hang's timeout, the last save — and what follows until the next one opens)."""
+        self._flush()
         self.mode, self.stepping = "teardown", False
         self.settle(now)
 
@@ -122,18 +129,25 @@ class Goodput:
 
     def _enter(self, mode: str, now: float) -> None:
         self.settle(now)
+        if self.mode == "training" and mode != "training":
+            self._flush()
         self.mode = mode
 
+    def _flush(self) -> None:
+        """Training is over for now: the time held for late claims is `other`."""
+        self._credit("other", self.slack_s)
+        self.slack_s = 0.0
+
     def settle(self, now: float) -> None:
-        """Accounts the time from `at_unix_s` to `now`: the claims first (scaled down to fit, the rest left
-        pending), what is left to the mode's cause."""
+        """Accounts the time from `at_unix_s` to `now` (with the slack held before): the claims first (scaled
+        down to fit, the rest left pending), what is left to the mode's cause — while training, beyond SLACK_S."""
         if self.at_unix_s is None:
             self.at_unix_s = now
             return
-        interval = max(0.0, now - self.at_unix_s)
+        self.slack_s += max(0.0, now - self.at_unix_s)
         self.at_unix_s = max(self.at_unix_s, now)
         claimed = sum(self.pending.values())
-        share = 1.0 if claimed <= interval else interval / claimed
+        share = 1.0 if claimed <= self.slack_s else self.slack_s / claimed
         for cause, seconds in list(self.pending.items()):
             self._credit(cause, seconds * share)
             left = seconds * (1.0 - share)
@@ -141,7 +155,11 @@ class Goodput:
                 self.pending[cause] = left
             else:
                 del self.pending[cause]
-        self._credit(MODES[self.mode], max(0.0, interval - claimed))
+        self.slack_s = max(0.0, self.slack_s - claimed * share)
+        kept = SLACK_S if self.mode == "training" else 0.0
+        if self.slack_s > kept:
+            self._credit(MODES[self.mode], self.slack_s - kept)
+            self.slack_s = kept
 
     def _credit(self, cause: str, seconds: float) -> None:
         if cause == "productive":
@@ -152,7 +170,8 @@ class Goodput:
     # What it says -----------------------------------------------------------------------------------------
     @property
     def wall_s(self) -> float:
-        return self.productive_s + sum(self.badput_s.values())
+        """The run's time settled so far: every cause, productive included, and the slack not yet given one."""
+        return self.productive_s + sum(self.badput_s.values()) + self.slack_s
 
     @property
     def ratio(self) -> float | None:
@@ -173,7 +192,7 @@ class Goodput:
                 "badput_s": {c: round(s, 3) for c, s in self.badput_s.items()},
                 "high_step": self.high_step, "steps": self.steps, "retrained_steps": self.retrained_steps,
                 "mode": self.mode, "stepping": self.stepping, "at_unix_s": self.at_unix_s,
-                "pending": {c: round(s, 3) for c, s in self.pending.items()},
+                "pending": {c: round(s, 3) for c, s in self.pending.items()}, "slack_s": round(self.slack_s, 3),
                 "wall_s": round(self.wall_s, 3), "ratio": None if self.ratio is None else round(self.ratio, 4)}
 
     @classmethod
@@ -194,6 +213,7 @@ class Goodput:
         g.at_unix_s = float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None
         pending = data.get("pending") if isinstance(data.get("pending"), Mapping) else {}
         g.pending = {str(c): _seconds(s) for c, s in pending.items() if c in CLAIMED}
+        g.slack_s = _seconds(data.get("slack_s"))
         return g
 
 

@@ -28,7 +28,7 @@ def _generation(g: Goodput, at: float, first: int, last: int, *, step_s=1.0, dat
 
 def _sums_to_wall(g: Goodput, wall: float) -> None:
     assert g.wall_s == pytest.approx(wall)
-    assert g.productive_s + sum(g.badput_s.values()) == pytest.approx(wall)
+    assert g.productive_s + sum(g.badput_s.values()) + g.slack_s == pytest.approx(wall)
 
 
 def test_a_clean_generation_is_start_restore_compile_then_productive_steps():
@@ -49,6 +49,8 @@ def test_data_waits_checkpoint_stalls_validation_and_the_gaps_between_steps():
     g.claim("checkpoint", 2.0, t + 2.0)          # a save staged after step 5
     g.claim("validation", 3.0, t + 5.5)          # then a validation; 0.5 s no rank said anything about
     g.step(t + 6.5, step=6, step_s=1.0, data_wait_s=0.0)
+    assert g.slack_s == pytest.approx(0.5) and g.badput_s["other"] == 0      # held a while for late claims
+    g.generation_over(t + 6.5)
     assert g.badput_s["data_wait"] == pytest.approx(4 * 0.25)
     assert g.productive_s == pytest.approx(4 * 0.75 + 1.0)
     assert g.badput_s["checkpoint"] == pytest.approx(2.0) and g.badput_s["validation"] == pytest.approx(3.0)
@@ -84,6 +86,18 @@ def test_paused_time_and_waiting_for_machines_are_their_own_causes():
     assert g.badput_s["waiting_for_machines"] == pytest.approx(10.0)
     assert g.mode == "training"
     _sums_to_wall(g, t + 73.0 - T0)
+
+
+def test_unclaimed_training_time_is_held_for_late_claims_then_called_other():
+    g = Goodput()
+    g.resume(T0, ended=False)
+    t = _generation(g, T0, 1, 1)
+    g.settle(t + 0.5)                             # a tick: no step came in yet
+    g.step(t + 0.6, step=2, step_s=0.55, data_wait_s=0.0)    # late: the time the tick held goes to the step
+    assert g.productive_s == pytest.approx(0.55) and g.badput_s["other"] == 0
+    g.settle(t + 10.6)                            # ten seconds without a claim: all but SLACK_S is other
+    assert g.badput_s["other"] == pytest.approx(10.05 - 2.0) and g.slack_s == pytest.approx(2.0)
+    _sums_to_wall(g, t + 10.6 - T0)
 
 
 def test_claims_beyond_the_wall_time_wait_for_the_next_interval():
