@@ -166,7 +166,7 @@ class DumpStacks:
 
 
 Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | Saving | CheckpointFailed
-          | DumpStacks)
+          | DumpStacks | Phase)
 _SAVING = {"staged": ("disk", "staged"), "committed": ("disk", "committed"),
            "staged_in_memory": ("memory", "staged"), "in_memory": ("memory", "committed")}
 OBSERVED_KEPT = 512          # the watched rank's recent steps whose values a rerun compares

@@ -184,9 +184,12 @@ class Ledger:
         self.metrics.flush(force=True)
         return code
 
-    def hold_undecided(self, incident: Incident | None) -> None:
-        """The incident that ends this generation, saved before the teardown: a daemon killed before
+    def generation_over(self, incident: Incident | None) -> None:
+        """The generation's watch ended: from here to the next generation's opening is teardown (the goodput
+        ledger), and the incident that ends it, if any, is saved before the teardown: a daemon killed before
         it decides leaves it for the next one to decide (never lost to a kill -9)."""
+        self.goodput.generation_over(time.time())
+        self.note_goodput()
         if incident is not None:
             self.state.hold_undecided(incident)
             self.save()
@@ -315,11 +318,6 @@ class Ledger:
     def checkpoint_stall(self, seconds: float) -> None:
         """A save blocked the watched rank's steps this long (its `staged` seconds)."""
         self.goodput.claim("checkpoint", seconds, time.time())
-
-    def generation_over(self) -> None:
-        """The generation's watch ended: from here to the next generation's opening is teardown."""
-        self.goodput.generation_over(time.time())
-        self.note_goodput()
 
     def note_goodput(self, **fields: Any) -> None:
         """A `goodput` event with the ledger whole (what the rebuild from the log continues from) and the

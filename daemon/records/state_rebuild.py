@@ -82,18 +82,24 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
             body = e.get("body") if isinstance(e.get("body"), dict) else {}
             state.take_control(name=e.get("name"), file=e.get("file"), unix_s=_unix_s(e.get("ts")),
                                reason=body.get("reason"))
-        elif name == "progress":
-            state.note_progress(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
-                                                   "unix_s": _unix_s(e.get("ts"))}))
         elif name == "script_reports" and isinstance(e.get("reports"), list):
             state.note_script_reports(script_reports.describe([r for r in e["reports"] if isinstance(r, str)]))
-        elif name == "goodput":           # the ledger whole, as the daemon last said it
-            state.note_goodput(Goodput.from_dict(e).to_dict())
-        elif name == "validation":
-            state.note_validation(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
-                                                     "unix_s": _unix_s(e.get("ts"))}))
+        else:
+            _note_latest(state, name, e)
     state.restore_restarts(restarts=max(counts["restarts"], restarts_total), without_progress=without_progress)
     return state, counts
+
+
+def _note_latest(state: RunState, name: Any, e: Mapping[str, Any]) -> None:
+    """The events of which the state keeps the last: progress, validation, the goodput ledger (whole)."""
+    if name == "progress":
+        state.note_progress(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
+                                               "unix_s": _unix_s(e.get("ts"))}))
+    elif name == "validation":
+        state.note_validation(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
+                                                 "unix_s": _unix_s(e.get("ts"))}))
+    elif name == "goodput":
+        state.note_goodput(Goodput.from_dict(e).to_dict())
 
 
 def _int(value: Any, default: int) -> int:
