@@ -12,6 +12,12 @@ lost (the step the daemon last saw − the step restored). Targets (issue 17):
 ≥ 0.90 at a kill a minute, ≥ 0.97 at one every 5 minutes. Writes
 bench/results/goodput.json.
 
+Beside it, the daemon's own goodput ledger (daemon.judging.goodput: productive seconds over the run's
+wall seconds, in state.json) of both runs. The ledger's figure is absolute — an uninterrupted run's is
+below 1 too (its start, compile, checkpoint stalls) — so it is compared with this bench's figure as
+the ledger's goodput of the run with kills over the ledger's goodput of the uninterrupted run:
+both then say what the faults cost. Printed side by side, with their difference in points.
+
 With --mix (issue 35): a kill at exponential intervals of 60 s plus a bitflip (a transient device fault: one
 rank's gradients overflow once) every 300 s (the first at 150 s), for --mix-wall-s (600) — once with reruns
 (the default: a rerun from the RAM tier finds the flip transient and training goes on), once with today's
@@ -102,7 +108,23 @@ def soak(workdir: Path, corpus: Path, *, wall_s: float, interval_s: float | None
                        "lost_steps": crash["step"] - restored["step"] if restored else None,
                        "standby": bool(start and start.get("standby"))})
     return {"final_step": _final_step(run), "wall_s": wall_s, "faults": faults,
-            "bitflips": [_flipped(events, at, started) for at in flips]}
+            "bitflips": [_flipped(events, at, started) for at in flips], "ledger": _ledger(run)}
+
+
+def _ledger(run: Path) -> dict:
+    """The daemon's goodput ledger of the run as its last daemon saved it: the ratio, its seconds, the largest losses."""
+    g = RunState.load(run).goodput
+    badput = g.get("badput_s") or {}
+    return {"ratio": g.get("ratio"), "productive_s": g.get("productive_s"), "wall_s": g.get("wall_s"),
+            "retrained_steps": g.get("retrained_steps"), "badput_s": {c: s for c, s in badput.items() if s}}
+
+
+def compared(bench: float, faulty: dict, clean: dict) -> dict:
+    """The ledger's figure on this bench's footing (faulty over clean) and its difference from the bench's, in points."""
+    f, c = faulty["ledger"].get("ratio"), clean["ledger"].get("ratio")
+    relative = f / c if f is not None and c else None
+    return {"faulty": f, "clean": c, "relative": relative,
+            "difference_points": None if relative is None else round(100 * (relative - bench), 2)}
 
 
 def _flipped(events: list[dict], at: float, started: float) -> dict:
@@ -174,7 +196,8 @@ def main() -> None:
             wall = args.faults * interval
             faulty = soak(Path(tmp), corpus, wall_s=wall, interval_s=interval, rng=rng)
             clean = soak(Path(tmp), corpus, wall_s=wall, interval_s=None, rng=rng)
-            results.append({"interval_s": interval, "goodput": faulty["final_step"] / max(1, clean["final_step"]),
+            goodput = faulty["final_step"] / max(1, clean["final_step"])
+            results.append({"interval_s": interval, "goodput": goodput, "ledger": compared(goodput, faulty, clean),
                             "faulty": faulty, "clean": clean, "target": TARGETS.get(int(interval))})
 
     print("goodput under random rank kills (tiny, 2 ranks, warm standby, RAM tier every step)")
@@ -188,6 +211,13 @@ def main() -> None:
         print(f"{r['interval_s']:>10.0f}s {r['faulty']['wall_s']:>7.0f} {len(f):>6} {r['faulty']['final_step']:>7} "
               f"{r['clean']['final_step']:>7} {r['goodput']:>8.3f} {target:>7} "
               f"{statistics.median(rec) if rec else float('nan'):>11.2f} {statistics.median(lost) if lost else '-':>5}")
+    print("the daemon's goodput ledger of the same runs (productive s / wall s; relative: faulty / clean)")
+    print(f"{'kill every':>11} {'faulty':>7} {'clean':>7} {'relative':>9} {'bench':>7} {'points':>7}")
+    for r in results:
+        led = r["ledger"]
+        cell = lambda v: f"{v:.3f}" if v is not None else "-"
+        print(f"{r['interval_s']:>10.0f}s {cell(led['faulty']):>7} {cell(led['clean']):>7} {cell(led['relative']):>9} "
+              f"{r['goodput']:>7.3f} {led['difference_points'] if led['difference_points'] is not None else '-':>7}")
     # a run of some intervals replaces those and keeps the others' earlier results (each with its date)
     now, before = results_file.now(), results_file.read("goodput")
     ran = {r["interval_s"] for r in results}

@@ -142,9 +142,10 @@ def faults(docs: dict[str, dict]) -> list[str]:
     good = docs.get("goodput")
     if good:
         for r in good["results"]:
-            f, goal = r["faulty"], f"≥ {r['target']:.2f}"
+            f = r["faulty"]
+            target = _target(f"≥ {r['target']:.2f}", r["goodput"] >= r["target"]) if r.get("target") else ""
             rows.append(f"| goodput, a rank killed every ~{r['interval_s']:.0f} s ({len(f['faults'])} kills in "
-                        f"{f['wall_s']:.0f} s) | **{r['goodput']:.3f}** | {_target(goal, r['goodput'] >= r['target'])} | `goodput.py` |")
+                        f"{f['wall_s']:.0f} s) | **{r['goodput']:.3f}**{_ledger(r.get('ledger'))} | {target} | `goodput.py` |")
         mix = good.get("mix")
         if mix and "reruns" in mix:
             rows.append(f"| goodput, kills every ~{mix['kill_every_s']:.0f} s and a flipped bit every "
@@ -152,6 +153,14 @@ def faults(docs: dict[str, dict]) -> list[str]:
                         f"with reruns (`health.rerun`, the default); {mix['today']['goodput']:.3f} rolling back | | "
                         f"`goodput.py --mix` |")
     return rows
+
+
+def _ledger(ledger: dict | None) -> str:
+    """The daemon's goodput ledger of the same runs beside the bench's figure (bench/goodput.py: faulty over clean)."""
+    if not ledger or ledger.get("relative") is None:
+        return ""
+    return (f"; the daemon's ledger {ledger['relative']:.3f} ({ledger['difference_points']:+.1f} points; "
+            f"{ledger['faulty']:.3f} of the wall time with kills, {ledger['clean']:.3f} without)")
 
 
 def costs(docs: dict[str, dict]) -> list[str]:

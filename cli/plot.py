@@ -8,8 +8,10 @@ the loss, where its rollback is drawn back to the checkpoint it went to and
 committed checkpoints sit as small triangles; the steps whose samples a
 rollback skips are hatched. The numbered list, the legend and the title stay
 outside the data area, so no text ever covers a curve; the validation loss is a
-dotted line of points on the loss panel. Data: rank 0's log (step, checkpoint,
-phase and eval events) and the incident log of state.json.
+dotted line of points on the loss panel; under tokens/s, the run's goodput so far
+(the daemon's ledger, daemon.judging.goodput) at the steps its `goodput` events were
+said. Data: rank 0's log (step, checkpoint, phase and eval events), the incident log
+of state.json and the `goodput` events of events.jsonl.
 
 The pure parts (sample window -> steps, superseded steps, incident labels,
 marker placement, list folding) are small functions the unit tests call
@@ -140,6 +142,18 @@ def superseded_steps(steps_by_gen: Mapping[int, Sequence[int]],
     return out
 
 
+def goodput_points(events: Sequence[Mapping]) -> list[tuple[int, float]]:
+    """(step, goodput ratio) of each `goodput` event that has both, in the log's order; a step said again (the
+    daemon's start, a generation's end) keeps its last value."""
+    points: dict[int, float] = {}
+    for e in events:
+        step, ratio = e.get("step"), e.get("ratio")
+        if e.get("event") == "goodput" and isinstance(step, int) and isinstance(ratio, (int, float)) and step > 0:
+            points.pop(step, None)
+            points[step] = float(ratio)
+    return list(points.items())
+
+
 def step_span(first: int, last: int) -> str:
     return f"step {first}" if last <= first else f"steps {first}\u2013{last}"
 
@@ -251,6 +265,7 @@ class _Run:
     skipped: list[tuple[int, int] | None]        # per incident: the steps its rollback's skip covers
     labels: list[str]                            # per incident
     xlim: tuple[float, float]
+    goodput: list[tuple[int, float]] = dataclasses.field(default_factory=list)   # (step, ratio) as the daemon said it
 
 
 def _read_run(run_dir: Path) -> _Run:
@@ -275,7 +290,11 @@ def _read_run(run_dir: Path) -> _Run:
     xs = [e["step"] for ev in log.steps.values() for e in ev] + [r.incident.first_step for r in incidents] + \
         [r.action.checkpoint_step for r in incidents if isinstance(r.action, Rollback)]
     pad = max(1.0, 0.01 * (max(xs) - min(xs)))
-    return _Run(run_dir.name, state, incidents, log, superseded, skipped, labels, (min(xs) - 0.5 - pad, max(xs) + 0.5 + pad))
+    from daemon.records.state_rebuild import read_events
+
+    goodput = goodput_points(read_events(log_dir / "events.jsonl"))
+    return _Run(run_dir.name, state, incidents, log, superseded, skipped, labels, (min(xs) - 0.5 - pad, max(xs) + 0.5 + pad),
+                goodput)
 
 
 def plot(run_dir: Path, out: Path) -> dict:
@@ -296,10 +315,11 @@ def plot(run_dir: Path, out: Path) -> dict:
                              for r in incidents], char_width=char_width)
     strip_rows = 1 + max((m.row + 1 for m in markers), default=0)     # the checkpoints' row, then markers'
     fig = plt.figure(figsize=size_in)
-    grid = fig.add_gridspec(4, 1, left=left, right=right, top=0.93, bottom=0.07, hspace=0.08,
-                            height_ratios=(0.3 * strip_rows, 3, 1, 1))
+    rows = 4 + bool(run.goodput)       # the goodput panel when the daemon said any
+    grid = fig.add_gridspec(rows, 1, left=left, right=right, top=0.93, bottom=0.07, hspace=0.08,
+                            height_ratios=(0.3 * strip_rows, 3, 1, 1, 1)[:rows])
     ax_strip = fig.add_subplot(grid[0])
-    panels = [fig.add_subplot(grid[i], sharex=ax_strip) for i in (1, 2, 3)]     # loss, lr, tokens/s
+    panels = [fig.add_subplot(grid[i], sharex=ax_strip) for i in range(1, rows)]   # loss, lr, tokens/s[, goodput]
     ax_side = fig.add_axes((right + gap, 0.07, 1 - right - gap - 0.01, 0.86))
     ax_side.set_axis_off()
     ax_strip.set_xlim(*run.xlim)
@@ -321,7 +341,8 @@ def plot(run_dir: Path, out: Path) -> dict:
             "validations": len(dict(run.log.validations)),
             "incidents": len(incidents), "checkpoints": len(run.log.checkpoints),
             "superseded_steps": {g: list(span) for g, span in sorted(run.superseded.items())},
-            "skipped_steps": [list(s) for s in run.skipped if s], "labels": run.labels}
+            "skipped_steps": [list(s) for s in run.skipped if s], "labels": run.labels,
+            "goodput": run.goodput[-1][1] if run.goodput else None}
 
 
 def loss_limits(losses: Sequence[float]) -> tuple[float, float, list[float]] | None:
@@ -377,11 +398,15 @@ def _draw_curves(plt, panels, run: _Run) -> list:
             panels[0].plot(steps, [hi] * len(steps), "^", ms=5, color="tab:red", ls="none", clip_on=False, zorder=5)
             handles.append(Line2D([], [], marker="^", ms=5, color="tab:red", ls="none",
                                   label=f"loss above the axis (max {max(above):.4g})"))
-    for ax, name in zip(panels, ("loss", "learning rate", "tokens/s")):
+    if run.goodput:
+        panels[3].plot([s for s, _ in run.goodput], [100 * r for _, r in run.goodput], color="tab:green", lw=1,
+                       marker="o", ms=2)
+        panels[3].set_ylim(0, 100)
+    for ax, name in zip(panels, ("loss", "learning rate", "tokens/s", "goodput %")):
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.tick_params(labelbottom=ax is panels[-1])
-    panels[-1].yaxis.set_major_formatter(EngFormatter())
+    panels[2].yaxis.set_major_formatter(EngFormatter())
     panels[-1].set_xlabel("step")
     return handles
 

@@ -2,7 +2,7 @@
 
 status: one table (or --json) from state.json, the checkpoint directory and
 the daemon's lock — state, step, loss, tokens/s, ETA, generation, restarts,
-last incident and its action, last checkpoint. logs: events.jsonl pretty-
+last incident and its action, last checkpoint, goodput so far and its largest losses. logs: events.jsonl pretty-
 printed, filtered by level, event and rank, optionally followed across
 rotations. Reads only; never needs the daemon to answer.
 """
@@ -191,7 +191,21 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
             "elapsed_s": round(until - state.started_unix_s, 1) if state.started_unix_s else None,
             "mean_step_s": p.get("mean_step_s"),
             "script_reports": dict(state.script_reports) or None,
+            "goodput": _goodput(state, now),
             "unsupervised_pids": [] if alive else _unsupervised(state)}
+
+
+def _goodput(state: RunState, now: float) -> dict[str, Any] | None:
+    """The goodput ledger as the daemon last saved it (daemon.judging.goodput), its three largest losses and
+    how old it is; None before the run has any."""
+    from daemon.judging.goodput import Goodput
+
+    if not state.goodput:
+        return None
+    g = Goodput.from_dict(state.goodput)
+    return {**g.to_dict(), "largest_losses": [{"cause": c, "seconds": round(s, 1)} for c, s in g.largest_losses(3)],
+            "restart_s": round(g.restart_s(), 3),
+            "age_s": round(now - g.at_unix_s, 1) if g.at_unix_s else None}
 
 
 def _lemons(state: RunState, now: float) -> dict[str, Any] | None:
@@ -240,9 +254,23 @@ def render(s: dict[str, Any]) -> str:
         rows.insert(rows.index(next(r for r in rows if r[0] == "last incident")) + 1,
                     ("last warning", f"{w['kind']} at step {w['first_step']}" + (f": {w['detail']}" if w["detail"] else "")
                      + (f"  ({s['warnings']} warnings in all)" if s["warnings"] > 1 else "")))
+    if s.get("goodput"):
+        rows.insert(rows.index(next(r for r in rows if r[0] == "elapsed")) + 1, ("goodput", _goodput_text(s["goodput"])))
     rows += _condition_rows(s)
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _goodput_text(g: dict[str, Any]) -> str:
+    """e.g. "81.2% of 1h02m (productive 50m31s); largest losses: compile 3m10s, teardown 1m02s, retrained 40s"."""
+    if g.get("ratio") is None:
+        return "none yet"
+    def short(seconds: float) -> str:          # a short run's losses are seconds, not 0m00s
+        return f"{seconds:.1f}s" if seconds < 10 else f"{seconds:.0f}s" if seconds < 60 else _duration(seconds)
+
+    text = f"{100 * g['ratio']:.1f}% of {short(g['wall_s'])} (productive {short(g['productive_s'])})"
+    losses = ", ".join(f"{x['cause'].replace('_', ' ')} {short(x['seconds'])}" for x in g["largest_losses"])
+    return text + (f"; largest losses: {losses}" if losses else "")
 
 
 def _condition_rows(s: dict[str, Any]) -> list[tuple[str, str]]:

@@ -174,7 +174,7 @@ class Supervisor:
                 if isinstance(outcome, watch.Failed) and outcome.incident.evidence.get("cut_off"):   # multi-node
                     ledger.emit("cut_off", level="warning", detail=outcome.incident.detail)
                 outcome = self.peers.conclude(n, outcome, requested=w.stop_sent_at is not None or bool(self.stop_reason))
-                ledger.hold_undecided(getattr(outcome, "incident", None))
+                ledger.generation_over(getattr(outcome, "incident", None))
                 gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s, saving=w.saving)
         finally:
             self.ledger.note_processes(self.spare.records())     # a standby waits on through recovery

@@ -28,7 +28,11 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
             _cadence(ledger, cfg, peers, files, step=e)
         elif isinstance(e, watch.Saving):
+            if e.stage == "staged":
+                ledger.checkpoint_stall(e.seconds)
             _cadence(ledger, cfg, peers, files, saving=e)
+        elif isinstance(e, watch.Phase):
+            ledger.phase(e.phase)
         elif isinstance(e, watch.Validated):
             ledger.validated(e.event)
         elif isinstance(e, watch.ScriptReports):

@@ -103,6 +103,13 @@ class Progress:
 
 
 @dataclasses.dataclass(frozen=True)
+class Phase:
+    """The watched rank entered a phase of its start: restore or compile (the goodput ledger times them)."""
+    phase: str
+    step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Warned:
     """A health warning to record (no action)."""
     incident: Incident
@@ -159,7 +166,7 @@ class DumpStacks:
 
 
 Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | Saving | CheckpointFailed
-          | DumpStacks)
+          | DumpStacks | Phase)
 _SAVING = {"staged": ("disk", "staged"), "committed": ("disk", "committed"),
            "staged_in_memory": ("memory", "staged"), "in_memory": ("memory", "committed")}
 OBSERVED_KEPT = 512          # the watched rank's recent steps whose values a rerun compares
@@ -309,6 +316,8 @@ class Watch:
             p.phase, p.step = ev.phase, ev.step or p.step
             if ev.reports is not None and ev.rank == self.watched:
                 self._do(ScriptReports(tuple(ev.reports)))
+            if ev.phase in ("restore", "compile") and ev.rank == self.watched:
+                self._do(Phase(ev.phase, ev.step))
             if ev.phase == "compile" and ev.rank == self.watched:
                 self._do(Note("compiling", fields={"step": ev.step, **({"startup_s": ev.startup_s} if ev.startup_s else {}),
                                                    "detail": "the first step compiles the step "

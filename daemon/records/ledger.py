@@ -21,6 +21,7 @@ from typing import Any, Sequence
 from contracts.protocol import EvalEvent, RecoveryDirective, StepEvent
 from daemon.judging import quarantine, script_reports
 from daemon.judging.cadence import Cadence
+from daemon.judging.goodput import Goodput
 from daemon.judging.incidents import Incident, IncidentRecord, Kind
 from daemon.judging.requests import Request
 from daemon.records import state_rebuild
@@ -30,6 +31,7 @@ from daemon.records.notify import Notifier
 from daemon.records.state import RunState, StateCorruptError, set_aside
 from daemon.records.state_file import StateFile
 
+ENDED = ("finished", "stopped", "gave_up", "failed")   # a daemon that said so exited
 SAMPLE_RANGES_KEPT = 20000  # recent steps whose sample ranges are remembered (a skip window's source)
 STEP_TIMES_KEPT = 50        # recent step times whose mean is status's ETA
 
@@ -48,6 +50,7 @@ class Ledger:
         self.disk_space_low = False        # said with a disk_space_low warning; cleared when space comes back
         self._cadence = None               # checkpoint.interval_steps = "auto" (daemon.judging.cadence), made when first asked
         self.rank_logs: dict[int, tuple[str, int]] = {}   # the last generation's ranks: log path, where its part begins
+        self.goodput = Goodput.from_dict(self.state.goodput)   # the wall time by cause, continued from the last daemon
 
     def _load(self) -> RunState:
         """state.json; a corrupt one is set aside (never deleted) and rebuilt from the event log, loudly.
@@ -75,18 +78,25 @@ class Ledger:
 
     def begin(self, *, total_steps: int, log_dir: Path) -> None:
         """This daemon now runs the run: its pid, the run's length and where its logs are, saved."""
+        ended = self.state.status in ENDED        # read before this daemon's own status is set
         self.state.begin(daemon_pid=os.getpid(), total_steps=total_steps, log_dir=str(log_dir), now_s=time.time())
+        down = self.goodput.resume(time.time(), ended=ended)
+        self.metrics.update(goodput=self.goodput.to_dict())
         self.save()
+        self.note_goodput(**({"daemon_down_s": round(down, 3)} if down else {}))
 
     def next_generation(self, number: int | None = None) -> int:
         """The next generation, or generation `number` (a multi-node run's, as its decider published it)."""
         self.log.generation = self.state.next_generation(number)
         self.generation_opened = time.monotonic()
+        self.goodput.open_generation(time.time())
         self.metrics.update(generation=self.state.generation)
         return self.state.generation
 
     def save(self) -> None:
-        """state.json, atomically (a disk that refuses it never ends the daemon: daemon.records.state_file)."""
+        """state.json, atomically (a disk that refuses it never ends the daemon: daemon.records.state_file),
+        with the goodput ledger as it stands."""
+        self.state.note_goodput(self.goodput.to_dict())
         self.state_file.save(self.state)
 
     def checkpoint_failed(self, step: int, detail: str) -> None:
@@ -118,7 +128,8 @@ class Ledger:
 
     def set_status(self, status: str, text: str = "") -> None:
         self.state.set_status(status)
-        self.metrics.update(status=status)
+        self.goodput.status(status, time.time())
+        self.metrics.update(status=status, goodput=self.goodput.to_dict())
         self.metrics.flush(force=True)     # a new state is in the textfile at once, not at the next step
         self.save()
         if text:
@@ -159,6 +170,7 @@ class Ledger:
     def set_waiting(self, what: str) -> None:
         """What the daemon waits for (`status` shows it) until its ranks run again."""
         self.state.set_waiting(what)
+        self.goodput.waiting(time.time())
         self.save()
         self.notify.status(what)
 
@@ -166,14 +178,18 @@ class Ledger:
         """The daemon ends with `code`: its status saved, a `daemon_exit` event."""
         self.set_status(status)
         self.exit_reason = reason
+        self.note_goodput()
         self.emit("daemon_exit", level=level, code=int(code), reason=reason, **fields)
         self.metrics.update(up=0, exit_code=int(code))     # the textfile says the daemon is gone, and how
         self.metrics.flush(force=True)
         return code
 
-    def hold_undecided(self, incident: Incident | None) -> None:
-        """The incident that ends this generation, saved before the teardown: a daemon killed before
+    def generation_over(self, incident: Incident | None) -> None:
+        """The generation's watch ended: from here to the next generation's opening is teardown (the goodput
+        ledger), and the incident that ends it, if any, is saved before the teardown: a daemon killed before
         it decides leaves it for the next one to decide (never lost to a kill -9)."""
+        self.goodput.generation_over(time.time())
+        self.note_goodput()
         if incident is not None:
             self.state.hold_undecided(incident)
             self.save()
@@ -243,7 +259,8 @@ class Ledger:
         """The validation loss after a step: a `validation` event, the metrics, and status (state.json)."""
         self.emit("validation", step=ev.step, loss=ev.loss, perplexity=ev.perplexity, sequences=ev.sequences,
                   tokens=ev.tokens, seconds=round(ev.seconds, 3))
-        self.metrics.update(validation_loss=ev.loss, validation_step=ev.step)
+        self.goodput.claim("validation", ev.seconds, time.time())
+        self.metrics.update(validation_loss=ev.loss, validation_step=ev.step, goodput=self.goodput.to_dict())
         self.metrics.flush()
         self.state.note_validation({"step": ev.step, "loss": ev.loss, "perplexity": ev.perplexity,
                                     "unix_s": time.time()})
@@ -263,6 +280,7 @@ class Ledger:
         """A step of the watched rank: its sample range (a later skip's source) and the metrics always;
         systemd's STATUS= and a `progress` event (with state.json's last_progress) when asked. The
         mean of the last STEP_TIMES_KEPT step times (never a compiling first step) makes status's ETA."""
+        self.goodput.step(time.time(), step=ev.step, step_s=ev.step_s, data_wait_s=ev.data_wait_s)
         if not compiled:
             self.step_times.append(ev.step_s)
         elif self.generation_opened is not None:      # training again: recovery's last leg, timed
@@ -274,7 +292,7 @@ class Ledger:
         if len(self.sample_ranges) > SAMPLE_RANGES_KEPT:
             del self.sample_ranges[next(iter(self.sample_ranges))]
         self.metrics.update(step=ev.step, loss=ev.loss, tokens_per_s=ev.tokens_per_s,
-                            tokens_total=self.metrics.tokens_total + ev.tokens)
+                            tokens_total=self.metrics.tokens_total + ev.tokens, goodput=self.goodput.to_dict())
         self.metrics.flush()
         if notify:
             self.notify.status(f"step {ev.step}/{self.total_steps} loss {ev.loss:.4f} {ev.tokens_per_s:.0f} tokens/s "
@@ -289,4 +307,21 @@ class Ledger:
             eta = round(max(0, self.total_steps - ev.step) * mean, 1) if mean and self.total_steps else None
             self.emit("progress", step=ev.step, total_steps=self.total_steps or None, loss=ev.loss, lr=ev.lr,
                       tokens_per_s=round(ev.tokens_per_s, 1), eta_s=eta, skipped=ev.skipped)
+            self.note_goodput()
             self.save()
+
+    # The goodput ledger (daemon.judging.goodput): fed here, saved with the state, told in `goodput` events
+    def phase(self, phase: str) -> None:
+        """The watched rank entered a phase (restore, compile: a restart's parts)."""
+        self.goodput.phase(phase, time.time())
+
+    def checkpoint_stall(self, seconds: float) -> None:
+        """A save blocked the watched rank's steps this long (its `staged` seconds)."""
+        self.goodput.claim("checkpoint", seconds, time.time())
+
+    def note_goodput(self, **fields: Any) -> None:
+        """A `goodput` event with the ledger whole (what the rebuild from the log continues from) and the
+        metrics; written with each progress event, at each generation's end, the daemon's start and exit."""
+        ledger = self.goodput.to_dict()
+        self.metrics.update(goodput=ledger)
+        self.emit("goodput", step=self.goodput.high_step, **ledger, **fields)

@@ -4,7 +4,8 @@
 Owns: the values the supervisor updates (step, loss, tokens/s and in all,
 generation, restarts, incidents by kind — every kind from the start, at 0 —,
 when the last checkpoint was committed, the run's state, whether the daemon
-is up and how it exited), their rendering, the HTTP endpoint (a daemon
+is up and how it exited, the goodput ledger's ratio and seconds by cause — every
+cause from the start, at 0 —), their rendering, the HTTP endpoint (a daemon
 thread; GET /metrics) and the textfile's atomic rewrite. The exposition format
 is written here rather than with prometheus_client: a dozen series need little
 stdlib code, the textfile goes through the project's one atomic writer,
@@ -19,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from checkpointing import layout
+from daemon.judging.goodput import CAUSES
 from daemon.judging.incidents import Kind
 from daemon.judging.triage import VERDICTS
 from durable import write_atomically
@@ -51,6 +53,7 @@ class Metrics:
         self.up = 1                       # 0 once the daemon has exited (the textfile outlives it)
         self.exit_code: int | None = None
         self.info: dict[str, str] = {}    # version, config_hash
+        self.goodput: dict = {}           # daemon.judging.goodput.Goodput.to_dict(), as the ledger last said it
         self._lock = threading.Lock()
         self._server: http.server.ThreadingHTTPServer | None = None
         self._textfile: Path | None = None
@@ -93,6 +96,12 @@ class Metrics:
                  "the step of the first failed save since the last commit (0: saves succeed)",
                  self.checkpoints_failing_since_step),
             ]
+            goodput = dict(self.goodput)
+            ratio = goodput.get("ratio")
+            rows += [("goodput_ratio", "gauge", "productive seconds over the run's wall seconds (NaN: none yet)",
+                      float("nan") if ratio is None else ratio),
+                     ("productive_seconds", "counter", "wall seconds of steps trained for the first time, less their "
+                      "data waits", goodput.get("productive_s", 0.0))]
             if self.exit_code is not None:
                 rows.append(("exit_code", "gauge", "the daemon's exit status (see the README's table)", self.exit_code))
             incidents, status, info = dict(self.incidents), self.status, dict(self.info)
@@ -113,6 +122,10 @@ class Metrics:
                 "(transient: training went on from the rerun; deterministic: the policy acted)",
                 f"# TYPE {PREFIX}_reruns_total counter"]
         out += [f'{PREFIX}_reruns_total{{{label},verdict="{v}"}} {triage.get(v, 0)}' for v in VERDICTS]
+        badput = goodput.get("badput_s") or {}
+        out += [f"# HELP {PREFIX}_badput_seconds_total the run's wall seconds lost, by cause (docs/operating.md)",
+                f"# TYPE {PREFIX}_badput_seconds_total counter"]
+        out += [f'{PREFIX}_badput_seconds_total{{{label},cause="{c}"}} {_number(badput.get(c, 0.0))}' for c in CAUSES]
         return "\n".join(out) + "\n"
 
     # outputs -----------------------------------------------------------------
@@ -191,7 +204,7 @@ class Metrics:
                     checkpoints_failing_since_step=state.checkpoints_failing_since or 0)
         for record in state.incidents:
             self.count_incident(record.kind.value)
-        self.update(triage=Counter(state.triage))
+        self.update(triage=Counter(state.triage), goodput=dict(state.goodput))
         if run.metrics_textfile:
             self.textfile(Path(run.metrics_textfile))
             self.flush(force=True)

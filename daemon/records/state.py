@@ -74,6 +74,7 @@ class RunState:
     last_progress: dict[str, Any] = dataclasses.field(default_factory=dict)   # step, loss, tokens_per_s, unix_s
     last_validation: dict[str, Any] = dataclasses.field(default_factory=dict)  # step, loss, perplexity, unix_s
     script_reports: dict[str, Any] = dataclasses.field(default_factory=dict)  # a script's: reports, missing, off, detail
+    goodput: dict[str, Any] = dataclasses.field(default_factory=dict)   # the wall time by cause (daemon.judging.goodput)
     daemon_pid: int = 0
     started_unix_s: float = 0.0          # when the run's first daemon began (status: elapsed)
     updated_unix_s: float = 0.0
@@ -272,6 +273,10 @@ class RunState:
     def note_validation(self, validation: Mapping[str, Any]) -> None:
         """The last validation loss measured: step, loss, perplexity, when (status shows it)."""
         self.last_validation = dict(validation)
+
+    def note_goodput(self, ledger: Mapping[str, Any]) -> None:
+        """The goodput ledger as it stands (daemon.judging.goodput.Goodput.to_dict): the next daemon continues it."""
+        self.goodput = dict(ledger)
 
     def note_progress(self, progress: Mapping[str, Any]) -> None:
         """The last progress of the run: step, loss, lr, tokens per second, when (status's ETA)."""
