@@ -166,6 +166,7 @@ def _summary(state_dir: Path, run_dir: Path, now: float | None = None, alive: bo
             "tokens_per_s": p.get("tokens_per_s"), "eta_s": eta_s,
             "progress_age_s": round(now - p["unix_s"], 1) if p.get("unix_s") else None,
             "generation": state.generation, "restarts": state.restarts,
+            "resumed_from": dict(state.resumed) or None,
             "last_incident": None if incident is None else {
                 "kind": incident.kind.value, "first_step": incident.incident.first_step,
                 "action": incident.action.to_dict()["type"] if incident.action else None,
@@ -228,6 +229,16 @@ def _validation(v: dict[str, Any] | None) -> str:
     return f"loss {v['loss']:.4f}, perplexity {v.get('perplexity', float('nan')):.2f} (after step {v.get('step')})"
 
 
+def _resumed(r: dict[str, Any] | None) -> str:
+    """Where the last generation resumed from: the step the ranks restored (a RAM tier's or the disk's), or the
+    one the daemon expects them to until they say so."""
+    if not r:
+        return "-"
+    tier = {"ram": " (RAM tier)", "disk": " (disk)", "none": " (from scratch)"}.get(r.get("tier"), "")
+    said = "" if r.get("restored") or r.get("tier") == "none" else ", not yet restored"
+    return f"step {r['step']}{tier}, generation {r.get('generation')}{said}"
+
+
 def render(s: dict[str, Any]) -> str:
     step = "-" if s["step"] is None else f"{s['step']}" + (f" / {s['total_steps']}" if s["total_steps"] else "")
     if s["progress_age_s"] is not None:
@@ -245,6 +256,7 @@ def render(s: dict[str, Any]) -> str:
             ("elapsed", _duration(s["elapsed_s"])),
             ("generation", str(s["generation"])),
             ("restarts", str(s["restarts"])),
+            ("resumed from", _resumed(s.get("resumed_from"))),
             ("last incident", "none" if inc is None else
              f"{inc['kind']}{' (drill)' if inc.get('drill') else ''} at step {inc['first_step']} -> "
              f"{inc['action']}: {inc['reason'] or ''}"),

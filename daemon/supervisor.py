@@ -163,9 +163,9 @@ class Supervisor:
                                   scheduler_cmd=self.scheduler_cmd if opened.scheduler else None,
                                   standby=self.spare.claim(opened, gen.sock_path, ledger))
                 self.ledger.note_processes([w.record() for w in gen.workers])
-                ledger.set_status("running")
+                tier = ledger.running_from(resume, self.files.tier_of(resume))   # a RAM tier's step, or the disk's
                 ledger.emit("generation_start", ranks=ranks, port=port, pids={w.rank: w.pid for w in gen.workers},
-                            resume_step=resume, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
+                            resume_step=resume, resume_tier=tier, memory_limit_bytes=cfg.run.worker_memory_limit_bytes or None,
                             config_changes=self.state.config_changes or None, standby=gen.from_standby)
                 w = watch.Watch(cfg, generation=n, ranks=ranks, monitor=self.monitor, now=time.monotonic(), homes=opened.homes,
                                 rerun=self.state.rerun, drills=self.files.faulty_devices(),

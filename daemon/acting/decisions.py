@@ -33,6 +33,7 @@ class Decision:
     record: IncidentRecord
     cfg: Config            # the config the next generation runs with
     resume_step: int       # the checkpoint it resumes from
+    resume_tier: str = "disk"   # where the ranks find it: "ram" (this machine's RAM tier), "disk", "none"
 
 
 def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config,
@@ -53,7 +54,7 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
     write_bundle(ledger, files, cfg, record, resume)
-    return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume)
+    return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume, resume_tier=files.tier_of(resume))
 
 
 def write_bundle(ledger: Ledger, files: RunFiles, cfg: Config, record: IncidentRecord, resume: int) -> None:
@@ -104,9 +105,10 @@ def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
         for step in layout.committed_steps(memory):
             if step > state.pending_rollback:
                 layout.retire(memory, step)
-    resume = files.resume_step()              # the RAM tier's newest left, where it is newer than the disk's
+    resume, tier = files.resume_point()       # the RAM tier's newest left, where it is newer than the disk's
     ledger.note_rollback_done(resume)
-    ledger.emit("rollback", level="warning", checkpoint_step=resume, rolled_back_steps=moved, **fields)
+    ledger.emit("rollback", level="warning", checkpoint_step=resume, checkpoint_tier=tier, rolled_back_steps=moved,
+                **fields)
     ledger.save()
     return resume
 
@@ -145,10 +147,12 @@ def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> No
     ledger.count_restart()
     ledger.save()
     ledger.metrics.update(restarts=state.restarts)
-    ledger.notify.status(f"restarting after {incident.kind.value} from step {decision.resume_step} "
+    ram = " (RAM tier)" if decision.resume_tier == "ram" else ""
+    ledger.notify.status(f"restarting after {incident.kind.value} from step {decision.resume_step}{ram} "
                          f"(restart {state.restarts})")
     ledger.emit("restart", level="warning", cause=incident.kind.value, rank=incident.rank,
                 detail=incident.detail or decision.action.reason, resume_step=decision.resume_step,
+                resume_tier=decision.resume_tier,
                 backoff_s=round(backoff_s, 3), restarts=state.restarts,
                 restarts_without_progress=state.restarts_without_progress,
                 config_changes=state.config_changes or None)

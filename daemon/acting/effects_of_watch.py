@@ -53,6 +53,13 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             if retired:                  # the incidents' bundles go with the checkpoints their runs resumed from
                 _retire_bundles(ledger, files, cfg, retired)
             _disk_space(ledger, files, e.step)
+        elif isinstance(e, watch.MemoryCommitted):
+            # this machine's RAM tier, retired by its daemon alone (the ranks keep every RAM checkpoint under it)
+            files.retire_memory(cfg, ledger.state.incidents, current_step=e.current_step)
+        elif isinstance(e, watch.Restored):
+            tier = "ram" if files.is_memory_path(e.path) else "disk"
+            ledger.emit("checkpoint_restored", step=e.step, path=e.path, tier=tier)
+            ledger.note_resumed(e.step, tier, restored=True)
         elif isinstance(e, watch.DumpStacks):
             for rank in e.native:        # before the signals: a stopped rank's state as it was found
                 ledger.emit("stacks", level="error", rank=rank, **gen.native_state(rank))

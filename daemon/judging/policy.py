@@ -56,7 +56,8 @@ class RunHistory:
     sample_ranges: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # step -> [a, b)
     quarantined: Sequence[tuple[str, int]] = ()   # corpus blocks quarantined so far
     transient_steps: Sequence[int] = ()           # first steps of incidents a rerun found transient
-    memory_steps: Sequence[int] = ()              # the RAM tier's committed checkpoints (a rerun's nearest start)
+    memory_steps: Sequence[int] = ()              # the RAM tier's committed checkpoints (one machine's): a rerun's
+                                                  # or rollback's nearest start
     script: bool = False                          # the ranks run a user's script (config [script]) ...
     can_skip: bool = True                         # ... which can skip a data window (its client reports skip_data)
 
@@ -95,14 +96,19 @@ def _restart(incident: Incident, history: RunHistory, h: HealthConfig, train: Tr
     if incident.kind is Kind.STRAGGLER and h.straggler_action == "exclude" and incident.rank is not None:
         return Rollback(f"straggler: rank {incident.rank}'s device (several machines: its machine) quarantined for "
                         f"{h.quarantine_probation_s:g} s; restart from the latest committed checkpoint",
-                        checkpoint_step=max(history.committed_steps, default=0), skip=None, lr_overrides=(),
+                        checkpoint_step=max(_every_checkpoint(history), default=0), skip=None, lr_overrides=(),
                         exclude=(incident.rank,), exclude_for_s=h.quarantine_probation_s)
     return Restart(f"{incident.kind.value}: restart from the latest committed checkpoint")
 
 
+def _every_checkpoint(history: RunHistory) -> list[int]:
+    """Both tiers' committed steps: the ranks resume from the newest left after a rollback's renames, either."""
+    return sorted({*history.committed_steps, *history.memory_steps})
+
+
 def _rollback_target(incident: Incident, history: RunHistory, h: HealthConfig) -> int:
-    """The newest healthy checkpoint before the incident began (and before its margin)."""
-    return newest_healthy(history.committed_steps, [*history.incidents, incident], h.rollback_margin_steps,
+    """The newest healthy checkpoint (either tier) before the incident began (and before its margin)."""
+    return newest_healthy(_every_checkpoint(history), [*history.incidents, incident], h.rollback_margin_steps,
                           before_step=incident.first_step - h.rollback_margin_steps)
 
 
@@ -129,8 +135,7 @@ def _rotatable(incident: Incident) -> bool:
 def _rerun(incident: Incident, history: RunHistory, h: HealthConfig, rotate: int = 0) -> Rerun:
     """The incident's steps again from the newest healthy checkpoint before them: data or device? (rotate:
     the second rerun, each rank on another's share: the data or this device?)"""
-    steps = sorted({*history.committed_steps, *history.memory_steps})
-    target = newest_healthy(steps, history.incidents, h.rollback_margin_steps, before_step=incident.first_step)
+    target = newest_healthy(_every_checkpoint(history), history.incidents, h.rollback_margin_steps, before_step=incident.first_step)
     first, last = incident.first_step, incident.last_step
     span = f"step {first}" if first == last else f"steps {first}-{last}"
     why = (f"reproduced; rerun {span} from step {target} with the replicas' shares rotated by {rotate} to tell the "
@@ -186,7 +191,7 @@ def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig, train:
         return Halt(f"{len(every)} of {total} corpus blocks fail their checksums ({fraction:.1%} > "
                     f"health.max_quarantined_fraction = {h.max_quarantined_fraction:g}): the copy or the disk is "
                     "bad; check it and prepare the corpus again", ExitCode.DATA_ERROR)
-    target = newest_healthy(history.committed_steps, history.incidents, h.rollback_margin_steps,
+    target = newest_healthy(_every_checkpoint(history), history.incidents, h.rollback_margin_steps,
                             before_step=incident.first_step)
     return Rollback(f"corrupt data: quarantine {len(bad)} block(s) ({len(every)} of {total} in all), resume from "
                     f"step {target}", checkpoint_step=target, skip=None, lr_overrides=(), quarantine=bad)
@@ -194,7 +199,8 @@ def _quarantine(incident: Incident, history: RunHistory, h: HealthConfig, train:
 
 def _replicas(incident: Incident, history: RunHistory, h: HealthConfig, train: TrainConfig) -> Action:
     agreed = int(incident.evidence.get("last_agreed_step", incident.first_step - 1))
-    target = newest_healthy(history.committed_steps, history.incidents, h.rollback_margin_steps, before_step=agreed + 1)
+    target = newest_healthy(_every_checkpoint(history), history.incidents, h.rollback_margin_steps,
+                            before_step=agreed + 1)
     odd = () if incident.evidence.get("tie") else tuple(int(r) for r in incident.evidence.get("odd_ranks") or ())
     held = f"; rank(s) {list(odd)}' device quarantined for {h.quarantine_probation_s:g} s" if odd else ""
     return Rollback(f"replica mismatch at step {incident.last_step}: roll back to step {target}, at or before step "

@@ -141,6 +141,23 @@ class Committed:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemoryCommitted:
+    """A RAM-tier checkpoint was committed while the detectors had judged the steps up to `current_step`: the
+    daemon retires the RAM tier's checkpoints no later incident can need (daemon.processes.run_files.protected_steps,
+    as for the disk's)."""
+    step: int
+    current_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """The watched rank restored the checkpoint of `step` from `path` (a RAM tier's or the disk's): where this
+    generation resumed from, as the ranks did it (the `checkpoint_restored` event, status)."""
+    step: int
+    path: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Saving:
     """A save of the watched rank moved: `stage` staged (it blocked the step `seconds`) or committed, on the
     `tier` disk or memory (checkpoint.interval_steps = "auto" times them: daemon.judging.cadence)."""
@@ -165,8 +182,8 @@ class DumpStacks:
     native: tuple[int, ...] = ()
 
 
-Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | Saving | CheckpointFailed
-          | DumpStacks | Phase)
+Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | MemoryCommitted | Restored
+          | Saving | CheckpointFailed | DumpStacks | Phase)
 _SAVING = {"staged": ("disk", "staged"), "committed": ("disk", "committed"),
            "staged_in_memory": ("memory", "staged"), "in_memory": ("memory", "committed")}
 OBSERVED_KEPT = 512          # the watched rank's recent steps whose values a rerun compares
@@ -271,6 +288,9 @@ class Watch:
         self.paused_at = 0.0
         self._paused_elsewhere = False        # its ranks hold on another daemon's word (several machines)
         self.last_step = 0
+        # the newest step the detectors judged with no incident open before it: retention's clock, which stops
+        # at an incident's detection (the ranks run on until the teardown; what precedes the incident stays)
+        self.judged_step = 0
         self.last_step_at = now               # when the watched rank last completed a step (or the start)
         self._committed_step = 0
         self._unsettled: set[tuple[int, int]] = set()  # (step, rank) staged and still this rank's to finish
@@ -394,6 +414,7 @@ class Watch:
             if self.rerun is not None and self.rerun.verdict is None:
                 found = self._triage(ev, found)
             self._judge(found, ev.step)
+            self.judged_step = max(self.judged_step, ev.step)
 
     def _triage(self, ev: StepEvent, found: list[Incident]) -> list[Incident]:
         """While a rerun's steps run, its verdict decides: the incidents within its steps are held (one before
@@ -472,16 +493,24 @@ class Watch:
             self._unsettled = {(s, r) for s, r in self._unsettled if s > ev.step}
         if ev.stage == "committed":
             self._committed_step = max(self._committed_step, ev.step)
-            self._do(Committed(ev.step, max(self.last_step, ev.step), ev.rank, ev.detail))
+            self._do(Committed(ev.step, self._cleared(ev.step), ev.rank, ev.detail))
+        elif ev.stage == "in_memory":
+            self._do(MemoryCommitted(ev.step, self._cleared()))
         elif ev.stage == "failed":
             self._do(CheckpointFailed(ev.step, ev.detail))
         elif ev.stage == "restored" and ev.rank == self.watched:
-            self._do(Note("checkpoint_restored", "info", {"step": ev.step, "path": ev.detail}))
+            self._do(Restored(ev.step, ev.detail))
         elif ev.stage == "in_memory_failed":
             self._do(Note("checkpoint_in_memory_failed", "warning", {"rank": ev.rank, "step": ev.step,
                                                                      "detail": ev.detail}))
         if ev.stage in ("failed", "corrupt"):
             self._do(Note(f"checkpoint_{ev.stage}", "error", {"rank": ev.rank, "step": ev.step, "detail": ev.detail}))
+
+    def _cleared(self, committed: int = 0) -> int:
+        """The step retention judges from (`current_step`): the newest step the detectors cleared, or a disk
+        checkpoint's step when it is newer (as ever); once an incident is open, the step that detected it,
+        whatever the ranks commit before the teardown (else the checkpoints before it could be retired)."""
+        return self.judged_step if self._incident is not None else max(self.judged_step, self.last_step, committed)
 
     def on_exit(self, rank: int, code: int, now: float, *, oom_kills: int = 0, peak_bytes: int = 0,
                 device_oom_line: str | None = None, refusal: str | None = None,

@@ -62,14 +62,17 @@ class RunFiles:
         self.single_machine = cfg.run.nodes == 1   # the RAM tier is resumed from on one machine only
         self._seq = 0
         self.fence_generation = 0       # several machines: commands are stamped with their generation
+        self._memory_root: Path | None = None
 
     def memory_root(self) -> Path | None:
         """The run's RAM tier of checkpoints (checkpoint.memory_interval_steps); None while the run
         directory does not exist."""
-        try:
-            return layout.memory_root(self.run_dir, self.memory_dir)
-        except OSError:
-            return None
+        if self._memory_root is None:      # the run's id, read once (the daemon asks at every RAM commit)
+            try:
+                self._memory_root = layout.memory_root(self.run_dir, self.memory_dir)
+            except OSError:
+                return None
+        return self._memory_root
 
     def memory_steps(self) -> list[int]:
         """The RAM tier's committed checkpoints (none without one)."""
@@ -121,9 +124,26 @@ class RunFiles:
         """The step the ranks will resume from: the RAM tier's newest committed checkpoint where it is newer than
         the disk's (one machine: the ranks take it when it verifies, checkpointing.reader.find_newest), else the
         disk's newest. What restart, rollback and generation events and status report."""
+        return self.resume_point()[0]
+
+    def is_memory_path(self, path: str) -> bool:
+        """`path` (a rank's `restored` event's) lies in this run's RAM tier."""
+        memory = self.memory_root()
+        return memory is not None and Path(path).is_relative_to(memory)
+
+    def tier_of(self, step: int) -> str:
+        """Where the ranks find `step` as the newest they resume from: "ram", "disk" or "none" (step 0: from scratch)."""
+        if not step:
+            return "none"
+        return "ram" if self.single_machine and step > self.committed_step() and step in self.memory_steps() else "disk"
+
+    def resume_point(self) -> tuple[int, str]:
+        """The step the ranks will resume from and its tier: "ram" or "disk" ("none": from scratch)."""
         disk = self.committed_step()
-        memory = self.memory_steps() if self.single_machine else []
-        return max([disk, *memory])
+        memory = max(self.memory_steps(), default=0) if self.single_machine else 0
+        if memory > disk:
+            return memory, "ram"
+        return disk, "disk" if disk else "none"
 
     # A generation's files ----------------------------------------------------------------------
     def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None,
@@ -208,17 +228,43 @@ class RunFiles:
         return retention.retire_old(self.ckpt_root, keep_last=cfg.checkpoint.keep_last,
                                     keep_every=cfg.checkpoint.keep_every_steps, protected=protected)
 
+    def retire_memory(self, cfg: Config, incidents: Sequence[IncidentRecord], *, current_step: int) -> list[int]:
+        """After a RAM-tier commit: under the daemon the ranks retire none of the RAM tier's checkpoints, the daemon
+        does, by the disk's rule (`protected_steps`: what a rerun or rollback of an incident not yet cleared may
+        need) and the newest MEMORY_KEEP; every rank's shards are in the one directory, so all keep the same steps.
+        What it retires, the ranks' next saves write over (layout's `.spare/`). Returns the steps retired."""
+        memory = self.memory_root()
+        if memory is None:
+            return []
+        steps = layout.committed_steps(memory)
+        protected = protected_steps(steps, incidents, cfg, current_step=current_step)
+        try:
+            return retention.retire_old(memory, keep_last=MEMORY_KEEP, protected=protected, recycle=True)
+        except OSError:            # the tmpfs refused: tried again at the next commit; never the daemon's end
+            return []
+
+
+MEMORY_KEEP = 2      # the RAM tier's newest kept besides what protected_steps keeps (engine.rank.checkpoint's, alone)
+
+
+def detection_hold(cfg: Config) -> int:
+    """The steps a numerical incident may take to be detected after its first step: the longest streak a detector
+    waits for (a loss spike's or collapse's hold, a rank outlier's, an fp16 overflow storm's length); 1: at once."""
+    h = cfg.health
+    return max(h.loss_spike_hold_steps, h.rank_outlier_steps,
+               h.overflow_storm_steps if cfg.train.precision == "fp16" else 1, 1)
+
 
 def protected_steps(committed: Sequence[int], incidents: Sequence[IncidentRecord], cfg: Config, *,
                     current_step: int) -> set[int]:
-    """The checkpoints a rollback may still need. An incident not yet detected started after
-    `current_step` - its hold (a loss spike's hold; an fp16 overflow storm's length), else it would
-    have been detected already; its rollback target is the newest healthy checkpoint more than the
-    rollback margin before its start. So: the newest healthy one (by the incident log) at or before
-    that horizon, and every one after it, since any of those may become the target as steps go on."""
+    """The checkpoints a rerun or rollback may still need, in either tier. An incident not yet detected started
+    after `current_step` - its hold (`detection_hold`), else it would have been detected already; its rollback
+    target is the newest healthy checkpoint more than the rollback margin before its start, its rerun's the
+    newest healthy one before it. So: the newest healthy one (by the incident log) at or before that horizon,
+    and every one after it, since any of those may become the target as steps go on. `current_step` stops
+    at an incident's detection (daemon.judging.watch.Watch.judged_step) until it is decided."""
     h = cfg.health
-    hold = max(h.loss_spike_hold_steps, h.overflow_storm_steps if cfg.train.precision == "fp16" else 1)
-    horizon = current_step - hold - h.rollback_margin_steps
+    horizon = current_step - detection_hold(cfg) - h.rollback_margin_steps
     rolled = [r.incident for r in incidents if r.is_rollback]
     settled = newest_healthy([s for s in committed if s <= horizon], rolled, h.rollback_margin_steps)
     return {s for s in committed if s > horizon} | ({settled} if settled else set())

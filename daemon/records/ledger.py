@@ -154,6 +154,20 @@ class Ledger:
             self.state.count_restart_progress(step)
         self.state.set_last_committed(step)
 
+    def running_from(self, step: int, tier: str) -> str:
+        """A generation's ranks start, resuming from `step` in `tier` (ram, disk, none): status and the STATUS line
+        say so. Returns `tier`."""
+        self.note_resumed(step, tier, restored=False)
+        self.set_status("running", f"generation {self.state.generation}: resuming from step {step}"
+                                   + (" (RAM tier)" if tier == "ram" else ""))
+        return tier
+
+    def note_resumed(self, step: int, tier: str, *, restored: bool) -> None:
+        """Where this generation resumes from (status shows it): at its start, and once the ranks restored it."""
+        self.state.note_resumed(step=step, tier=tier, generation=self.state.generation, restored=restored)
+        if restored:
+            self.save()
+
     def note_rollback_done(self, resume_step: int) -> None:
         self.state.rollback_done(resume_step)
 

@@ -51,6 +51,8 @@ class RunState:
     restarts: int = 0                    # restarts after crashes and hangs, in all
     restarts_without_progress: int = 0   # consecutive restarts with no new committed checkpoint
     last_committed_step: int = 0         # newest committed checkpoint when the last generation began
+    resumed: dict[str, Any] = dataclasses.field(default_factory=dict)   # where the last generation resumed from:
+                                         # step, tier (ram, disk, none), generation, restored (the ranks said so)
     status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
     waiting: str = ""                    # what the daemon waits for, when it does (multi-node: a decider)
     incidents: list[IncidentRecord] = dataclasses.field(default_factory=list)   # with the action taken
@@ -153,6 +155,11 @@ class RunState:
         """The newest committed checkpoint as the run goes on from here (a generation's start, a decision,
         a rollback carried out)."""
         self.last_committed_step = step
+
+    def note_resumed(self, *, step: int, tier: str, generation: int, restored: bool) -> None:
+        """Where generation `generation` resumes from: the daemon's word at its start (`restored` False), then the
+        ranks' once they restored it (True)."""
+        self.resumed = {"step": step, "tier": tier, "generation": generation, "restored": restored}
 
     def count_restart_progress(self, committed_step: int) -> None:
         """A process fault ended a generation: one more restart without progress, unless a checkpoint

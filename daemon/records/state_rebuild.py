@@ -8,8 +8,9 @@ count (the highest `generation` seen), the restarts, the config changes and
 the recovery directive and the lemon list's quarantines (recomputed from the incidents' actions by
 RunState.apply_incident, the method the live daemon records them with; the transient faults from the
 `triage` and `quarantined` events), a
-rollback decided but not carried out, the last control request, the last
-progress and the goodput ledger (the last `goodput` event's, whole) — each through the RunState method the live daemon calls for it.
+rollback decided but not carried out, where the last generation resumed from, the last control request,
+the last progress and the goodput ledger (the last `goodput` event's, whole) — each through the RunState method
+the live daemon calls for it.
 What it does not hold stays empty: the processes of the last generation (a
 dead daemon's leftover ranks are then not killed by pid), the tokens per
 step (no ETA until the next progress) and a checkpoint failure in progress
@@ -78,23 +79,29 @@ def state_from_events(events: Iterable[Mapping[str, Any]]) -> tuple[RunState, di
             counts["restarts"] += 1
             restarts_total = _int(e.get("restarts"), restarts_total)
             without_progress = _int(e.get("restarts_without_progress"), 0)
-        elif name == "control":
-            body = e.get("body") if isinstance(e.get("body"), dict) else {}
-            state.take_control(name=e.get("name"), file=e.get("file"), unix_s=_unix_s(e.get("ts")),
-                               reason=body.get("reason"))
-        elif name == "script_reports" and isinstance(e.get("reports"), list):
-            state.note_script_reports(script_reports.describe([r for r in e["reports"] if isinstance(r, str)]))
         else:
-            _note_latest(state, name, e)
+            _note(state, name, e, generation)
     state.restore_restarts(restarts=max(counts["restarts"], restarts_total), without_progress=without_progress)
     return state, counts
 
 
-def _note_latest(state: RunState, name: Any, e: Mapping[str, Any]) -> None:
-    """The events of which the state keeps the last: progress, validation, the goodput ledger (whole)."""
-    if name == "progress":
+def _note(state: RunState, name: Any, e: Mapping[str, Any], generation: int) -> None:
+    """The events that set one field of the state each: where a generation resumed from, the last control
+    request, progress, what a script reports, the last validation, the goodput ledger (whole)."""
+    if name == "generation_start" and isinstance(e.get("resume_step"), int):   # where it resumes from ...
+        state.note_resumed(step=e["resume_step"], tier=str(e.get("resume_tier") or ""), generation=generation,
+                           restored=False)
+    elif name == "checkpoint_restored" and isinstance(e.get("step"), int):      # ... as its ranks restored it
+        state.note_resumed(step=e["step"], tier=str(e.get("tier") or ""), generation=generation, restored=True)
+    elif name == "control":
+        body = e.get("body") if isinstance(e.get("body"), dict) else {}
+        state.take_control(name=e.get("name"), file=e.get("file"), unix_s=_unix_s(e.get("ts")),
+                           reason=body.get("reason"))
+    elif name == "progress":
         state.note_progress(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "lr", "tokens_per_s")},
                                                "unix_s": _unix_s(e.get("ts"))}))
+    elif name == "script_reports" and isinstance(e.get("reports"), list):
+        state.note_script_reports(script_reports.describe([r for r in e["reports"] if isinstance(r, str)]))
     elif name == "validation":
         state.note_validation(strict_json.decode({**{k: e.get(k) for k in ("step", "loss", "perplexity")},
                                                  "unix_s": _unix_s(e.get("ts"))}))

@@ -39,7 +39,7 @@ from engine.layout import parallel
 from engine.rank.resume_check import changed_keys
 
 RUN_STATE_VERSION = 1
-MEMORY_KEEP = 2          # RAM checkpoints kept: the newest, and the one before while the next is written
+MEMORY_KEEP = 2          # RAM checkpoints kept alone: the newest, and the one before while the next is written
 
 
 def set_parameters(params, tensors: dict[str, np.ndarray], *, source: str, error: type[Exception]) -> None:
@@ -68,11 +68,12 @@ class TrainerCheckpoints:
     def __init__(self, root: Path, cfg: Config, *, params: Sequence[ms.Parameter],
                  run_state: Callable[[], dict[str, Any]], load_run_state: Callable[[dict[str, Any]], None],
                  rank: int, world: int, generation: int, emit: Callable[[CheckpointEvent], None],
-                 parallelism: parallel.Parallelism, retain: bool = False):
+                 parallelism: parallel.Parallelism, retain: bool = False, supervised: bool = False):
         """`params`: every Parameter to save and restore; `run_state()` returns the trainer's
         non-tensor state (its "step" is the step saved) and `load_run_state` takes it back.
         `parallelism`: the generation's layout (sliced saves under semi-auto). `retain`: apply checkpoint.keep_last / keep_every_steps after each commit (only rank 0
-        commits) — for a rank running alone; under the supervisor, retention is the supervisor's."""
+        commits) — for a rank running alone; under the supervisor, retention is the supervisor's. `supervised`: under
+        the daemon, which retires the RAM tier's checkpoints too (alone, its writer keeps the newest MEMORY_KEEP)."""
         self.cfg, self.root = cfg, Path(root)
         self.rank, self.world, self.generation = rank, world, generation
         self._run_state, self._load_run_state = run_state, load_run_state
@@ -86,14 +87,16 @@ class TrainerCheckpoints:
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
                                   on_commit=self._retire if retain else None)
-        # the RAM tier: the same checkpoints on a tmpfs, between disk saves; the newest two are kept
+        # the RAM tier: the same checkpoints on a tmpfs, between disk saves; alone the newest two are kept, under the
+        # daemon it retires them (daemon.processes.run_files.retire_memory: it keeps those an incident may need)
         self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir)
                             if cfg.checkpoint.memory_interval_steps else None)
         # memory tier or not -> (its writer's staging buffers by name, [(parameter, its buffer)])
         self._copies: dict[bool, tuple[dict, list]] = {}
         # in a process of its own: as a thread, its Python held the GIL the step needed (checkpointing.writer_process)
         self.memory_writer = (ProcessShardWriter(self.memory_root, rank=self.rank, world=self.world,
-                                          emit=self._emit_memory, keep_last=MEMORY_KEEP, indent_manifest=False,
+                                          emit=self._emit_memory, keep_last=None if supervised else MEMORY_KEEP,
+                                          indent_manifest=False,
                                           checksum=checksums.CRC32C, recycle=True,
                                           latest_hint=False)
                               if self.memory_root is not None else None)

@@ -321,7 +321,8 @@ class RankRun:
         self.ckpt = TrainerCheckpoints(cfg.run.resolved_dir(env) / "checkpoints", cfg, params=trainer.state_params(),
                                        run_state=trainer.run_state, load_run_state=trainer.load_run_state,
                                        rank=rank_info.rank, world=rank_info.world_size, generation=self.generation,
-                                       emit=self.sink.emit, parallelism=rank_info.parallelism, retain=retain)
+                                       emit=self.sink.emit, parallelism=rank_info.parallelism, retain=retain,
+                                       supervised=bool(env.get(ENV_EVENT_SOCKET)))
         restored = self.ckpt.restore_latest(allow_config_change=allow_config_change,
                                             before_slices=trainer.compile_step)
         if restored is None and cfg.model.init_from:

@@ -125,9 +125,9 @@ def test_a_flipped_bit_is_rerun_found_transient_and_the_run_ends_as_an_uninterru
     ram = "checkpoint.memory_interval_steps=4"        # the RAM tier, between the disk saves every 20 steps
     done, reference, _ = _run(cli, quiet_env, tmp_path / "reference", stdlib_corpus, ram, steps=100)
     assert done.returncode == 0, done.stderr[-3000:]
-    # the steps after the flip slowed on both ranks (numbers unchanged): the RAM tier keeps its newest two,
-    # and ranks that ran on past step 76 before the daemon decided would have retired 64 and 68 (ranks
-    # at ~200 steps a second did: the rerun then rightly started from the disk's 60)
+    # the steps after the flip slowed on both ranks (numbers unchanged): when the ranks kept only their newest two
+    # RAM checkpoints, ranks that ran on past step 76 before the daemon decided retired 64 and 68 and the rerun
+    # started from the disk's 60; the daemon keeps them now (the NaN test below runs at full speed)
     slow = [("slow", "--rank", r, "--at-step", "71", "--steps", "12", "--seconds", "0.3") for r in ("0", "1")]
     done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, ram, steps=100,
                              injects=[("bitflip", "--rank", "1", "--at-step", "70"), *slow])
@@ -151,6 +151,36 @@ def test_a_flipped_bit_is_rerun_found_transient_and_the_run_ends_as_an_uninterru
     assert all(gen2[s + 1]["sample_start"] == gen2[s]["sample_end"] for s in range(start + 1, 100))
     ours, theirs = _final_sha256(run), _final_sha256(reference)
     assert len(ours) == 1 and ours == theirs, (ours, theirs)
+
+
+def test_a_nan_is_rerun_from_the_ram_checkpoint_just_before_it_and_every_report_names_that_step(
+        cli, quiet_env, tmp_path, stdlib_corpus):
+    """Issue 50, item 4: the ranks ran on past the NaN and retired the RAM tier's checkpoints before it, so the rerun
+    started from the disk (40 here: 10 steps trained again; 36-43 at a disk interval of 50); now the daemon retires
+    the RAM tier and keeps what precedes an incident not yet decided."""
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=1", steps=70,
+                             injects=[("nan", "--rank", "1", "--at-step", "50")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    rerun = _check_recorded(run, events, "non_finite", "rerun")
+    start = rerun["action"]["checkpoint_step"]
+    assert rerun["first_step"] == 50 and start == 49, start           # not the disk's 40
+    gen1 = _steps(run, 1)
+    assert max(gen1) > 50                                             # the ranks had run on past it
+    # where the ranks resumed, as they restored it and as the daemon said it at each step of the way
+    restored = next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
+    assert restored["step"] == start and restored["tier"] == "ram" and restored["path"].startswith("/dev/shm/")
+    [rollback] = _named(events, "rollback")
+    assert rollback["checkpoint_step"] == start and rollback["checkpoint_tier"] == "ram"
+    second = next(e for e in _named(events, "generation_start") if e["generation"] == 2)
+    assert second["resume_step"] == start and second["resume_tier"] == "ram"
+    assert min(_steps(run, 2)) == start + 1
+    [triage] = _named(events, "triage")
+    assert triage["verdict"] == "transient"
+    shown = subprocess.run([*cli, "status", str(run), "--json"], env=quiet_env, capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["resumed_from"] == {"step": start, "tier": "ram", "generation": 2, "restored": True}
+    text = subprocess.run([*cli, "status", str(run)], env=quiet_env, capture_output=True, text=True).stdout
+    assert f"step {start} (RAM tier), generation 2" in text
 
 
 def test_a_weight_corrupted_on_one_replica_is_caught_by_the_fingerprints_and_rolled_back_to_where_they_agreed(

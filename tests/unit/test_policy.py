@@ -209,5 +209,14 @@ def test_a_rerun_starts_from_the_ram_tier_when_it_holds_a_nearer_checkpoint():
     assert isinstance(action, Rerun) and action.checkpoint_step == 200
     nearer = RunHistory(committed_steps=CKPTS, sample_ranges=RANGES, memory_steps=(201, 202))
     assert decide(spike(203, 205, triaged=False), nearer, CFG).checkpoint_step == 202
-    # a rollback's target stays a disk checkpoint before the margin
+    # a rollback's target: the newest healthy checkpoint before the margin, in either tier (201 and 202 lie within it)
     assert decide(spike(203, 205), nearer, CFG).checkpoint_step == 150
+
+
+def test_a_rollback_starts_from_the_ram_tier_when_it_holds_a_healthy_checkpoint_nearer_than_the_disk():
+    """Issue 50, item 4: the rollback after a reproduced spike went back to the disk's 150 although the RAM tier
+    held 192, healthy (before 203 - margin 10)."""
+    history = RunHistory(committed_steps=CKPTS, sample_ranges=RANGES, memory_steps=(181, 192, 193, 202))
+    action = decide(spike(203, 205), history, CFG)
+    assert isinstance(action, Rollback) and action.checkpoint_step == 192
+    assert action.lr_overrides[0].start_step == 193
