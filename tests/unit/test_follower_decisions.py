@@ -51,3 +51,15 @@ def test_a_follower_applying_a_crash_loop_halt_late_agrees_with_the_decider(tmp_
     assert applied.action.to_dict() == decided.action.to_dict()
     assert ledger1.state.restarts_without_progress == ledger.state.restarts_without_progress == 3
     assert "decision_mismatch" not in out1.getvalue()
+
+
+def test_a_finished_run_says_its_last_step_when_the_last_step_datagrams_were_dropped(tmp_path):
+    """A rank drops a step datagram its daemon cannot take in time (a full socket queue on a loaded
+    machine); its exit event still says where it ended, and status's last step is that step."""
+    from daemon.judging import watch
+    from daemon.records.state import RunState
+    _, files, ledger, _ = _node(tmp_path, 0)
+    ledger.state.note_progress({"step": 8, "loss": 2.5, "tokens_per_s": 100.0})
+    assert decisions.end_as(watch.Finished(12), ledger, stop_code=0, stop_reason=None) == 0
+    saved = RunState.load(files.node_dir).last_progress
+    assert saved["step"] == 12 and saved["loss"] == 2.5
