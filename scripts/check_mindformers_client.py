@@ -172,11 +172,12 @@ def leg(name: str, run: Path, log: Path) -> dict:
 
 
 def main() -> None:
+    work = Path(tempfile.mkdtemp(prefix="check-mf-client-"))
+    os.chdir(work)                     # mindformers writes ./output/log wherever it is imported
     import mindformers
     import mindspore
 
     print(f"python {sys.version.split()[0]}, mindspore {mindspore.__version__}, mindformers {mindformers.__version__}")
-    work = Path(tempfile.mkdtemp(prefix="check-mf-client-"))
     whole = leg("whole", work / "whole", work / "whole.log")
     crashed = leg("crashed", work / "interrupted", work / "crashed.log")
     resumed = leg("resumed", work / "interrupted", work / "resumed.log")
