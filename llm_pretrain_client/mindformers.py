@@ -24,13 +24,12 @@ registers the callback when MindFormers is importable.
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from typing import Any, Mapping, Sequence
 
 from llm_pretrain_client import settings
-from llm_pretrain_client.callback import Supervisor
-from llm_pretrain_client.client import Client
 
 NAME = "LlmPretrainSupervisor"
 MF_OUTPUTS = ("loss", "overflow", "loss_scale", "lr", "grad_norm")   # MFTrainOneStepCell's first five outputs
@@ -85,39 +84,53 @@ def mindformers_fields(outputs: Any, names: Sequence[str] | None = None) -> dict
     return {n: v for n, v in zip(names, outputs) if v is not None}
 
 
-class LlmPretrainSupervisor(Supervisor):
-    """The Supervisor (llm_pretrain_client.callback) that MindFormers builds from a YAML entry: it makes its own
-    Client and restores into the training cell at train begin. Its YAML keys: `global_batch`, `seq_len` (default:
-    the daemon's config), `outputs` (the step's output names, default MindFormers'), `data_skip_steps` (set by
-    `prepare`)."""
+@functools.cache
+def supervisor_class() -> type:
+    """LlmPretrainSupervisor, made on first use: the module imports without MindSpore (its pure parts)."""
+    from llm_pretrain_client.callback import Supervisor
+    from llm_pretrain_client.client import Client
 
-    def __init__(self, global_batch: int | None = None, seq_len: int | None = None,
-                 outputs: Sequence[str] | None = None, data_skip_steps: int | None = None, **_ignored):
-        super().__init__(Client(global_batch=global_batch, seq_len=seq_len), outputs=outputs)
-        self.data_skip_steps = data_skip_steps
+    class LlmPretrainSupervisor(Supervisor):
+        """The Supervisor (llm_pretrain_client.callback) that MindFormers builds from a YAML entry: it makes its own
+        Client and restores into the training cell at train begin. Its YAML keys: `global_batch`, `seq_len` (default:
+        the daemon's config), `outputs` (the step's output names, default MindFormers'), `data_skip_steps` (set by
+        `prepare`)."""
 
-    def _fields(self, outputs) -> dict:
-        return mindformers_fields(outputs, self.outputs)
+        def __init__(self, global_batch: int | None = None, seq_len: int | None = None,
+                     outputs: Sequence[str] | None = None, data_skip_steps: int | None = None, **_ignored):
+            super().__init__(Client(global_batch=global_batch, seq_len=seq_len), outputs=outputs)
+            self.data_skip_steps = data_skip_steps
 
-    def on_train_begin(self, run_context):
-        super().on_train_begin(run_context)          # the loss-scale Parameter of a loss-scale cell
-        cb = run_context.original_args()
-        network = cb.train_network
-        client = self.client
-        if not self.outputs and hasattr(network, "use_clip_grad"):       # MFTrainOneStepCell: lr always, norm if
-            client._claims["lr"] = True                                  # it clips
-            client._claims["grad_norm"] = bool(network.use_clip_grad)
-        step = client.restore(network.get_parameters(), loss_scale=client.loss_scale_param)
-        if client.skips:
-            print(f"llm_pretrain_client: MindFormers' dataset cannot skip {client.skips}: trained again",
-                  file=sys.stderr)
-            client.skips = []
-        if self.data_skip_steps is not None and client.supervised:
-            if int(self.data_skip_steps) != step:
-                raise RuntimeError(f"the dataset was set to skip {self.data_skip_steps} steps but the checkpoint "
-                                   f"restored is step {step}'s: call llm_pretrain_client.mindformers.prepare(config) "
-                                   "on the config the Trainer is built from")
-            client._claims["data_position"] = True
+        def _fields(self, outputs) -> dict:
+            return mindformers_fields(outputs, self.outputs)
+
+        def on_train_begin(self, run_context):
+            super().on_train_begin(run_context)          # the loss-scale Parameter of a loss-scale cell
+            cb = run_context.original_args()
+            network = cb.train_network
+            client = self.client
+            if not self.outputs and hasattr(network, "use_clip_grad"):       # MFTrainOneStepCell: lr always, norm if
+                client._claims["lr"] = True                                  # it clips
+                client._claims["grad_norm"] = bool(network.use_clip_grad)
+            step = client.restore(network.get_parameters(), loss_scale=client.loss_scale_param)
+            if client.skips:
+                print(f"llm_pretrain_client: MindFormers' dataset cannot skip {client.skips}: trained again",
+                      file=sys.stderr)
+                client.skips = []
+            if self.data_skip_steps is not None and client.supervised:
+                if int(self.data_skip_steps) != step:
+                    raise RuntimeError(f"the dataset was set to skip {self.data_skip_steps} steps but the "
+                                       f"checkpoint restored is step {step}'s: call llm_pretrain_client.mindformers"
+                                       ".prepare(config) on the config the Trainer is built from")
+                client._claims["data_position"] = True
+
+    return LlmPretrainSupervisor
+
+
+def __getattr__(name: str):
+    if name == NAME:
+        return supervisor_class()
+    raise AttributeError(name)
 
 
 def register() -> bool:
@@ -126,7 +139,7 @@ def register() -> bool:
         from mindformers.tools.register import MindFormerModuleType, MindFormerRegister
     except ImportError:
         return False
-    MindFormerRegister.register_cls(LlmPretrainSupervisor, module_type=MindFormerModuleType.CALLBACK, alias=NAME)
+    MindFormerRegister.register_cls(supervisor_class(), module_type=MindFormerModuleType.CALLBACK, alias=NAME)
     return True
 
 

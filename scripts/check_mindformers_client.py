@@ -85,6 +85,8 @@ def child(leg: str, run: Path) -> None:
     from mindformers.wrapper import MFTrainOneStepCell
     from tests.e2e.client_scripts.tiny_llama import Corpus, TinyLlama
 
+    ms.set_context(mode=ms.GRAPH_MODE)         # what the YAML's context.mode 0 asks (run_mindformer.py sets it)
+    ms.set_device("CPU")
     ms.set_seed(0)
 
     @MindFormerRegister.register(MindFormerModuleType.WRAPPER)

@@ -131,3 +131,45 @@ def test_the_packages_the_client_ships_with_import_nothing_beyond_them():
             assert outside <= shipped | third_party, (path, outside)
     text = (ROOT / "client" / "pyproject.toml").read_text()
     assert all(f'"{d}"' in text for d in third_party) and all(f'"{p}"' in text for p in shipped)
+
+
+def test_the_mindformers_module_imports_without_mindspore_or_mindformers_and_reads_their_step_outputs():
+    """llm_pretrain_client.mindformers (docs/bring-your-own-script-mindformers.md): its pure parts load where neither
+    is installed; MFTrainOneStepCell's outputs by name, its global norm left out when it does not clip (None)."""
+    from llm_pretrain_client import mindformers as mf
+
+    assert mf.mindformers_fields(1.5) == {"loss": 1.5}
+    assert mf.mindformers_fields((1.5, False, 1024.0, 3e-3, None)) == {"loss": 1.5, "overflow": False,
+                                                                       "loss_scale": 1024.0, "lr": 3e-3}
+    assert mf.mindformers_fields((1.5, False, 1.0, 3e-3, 0.7, "local", "size"))["grad_norm"] == 0.7
+    assert mf.mindformers_fields((1.5, True, 8.0)) == {"loss": 1.5, "overflow": True, "loss_scale": 8.0}
+    assert mf.mindformers_fields((1.5, 0.2), ("loss", "grad_norm")) == {"loss": 1.5, "grad_norm": 0.2}
+
+
+def test_prepare_sets_mindformers_data_skip_to_the_step_the_client_resumes_after(tmp_path):
+    from contracts.config import load_config, to_toml
+    from llm_pretrain_client import mindformers as mf
+
+    config = {"resume_training": True, "load_checkpoint": "/old/ckpt", "ignore_data_skip": True,
+              "callbacks": [{"type": "MFLossMonitor"}]}
+    assert mf.prepare(config, env={}) == 0                    # outside the daemon: from the start, MindFormers off
+    assert config["data_skip_steps"] == 0 and not config["resume_training"] and config["load_checkpoint"] == ""
+    assert not config["ignore_data_skip"]
+    assert config["callbacks"] == [{"type": "MFLossMonitor"}, {"type": "LlmPretrainSupervisor", "data_skip_steps": 0}]
+
+    cfg = load_config(None, [f'run.dir="{tmp_path}"', "train.steps=7", "script.command='train.py'"])
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    env = {"LLM_PRETRAIN_CONFIG": str(tmp_path / "config.toml")}
+    assert mf.resume_step(env) == 0                           # supervised, before the first checkpoint
+    config = {"callbacks": [{"type": "LlmPretrainSupervisor", "seq_len": 16}]}
+    assert mf.prepare(config, env=env) == 0 and config["callbacks"] == [{"type": "LlmPretrainSupervisor",
+                                                                          "seq_len": 16, "data_skip_steps": 0}]
+    from checkpointing.writer import ShardWriter                # a checkpoint of the client's format at step 6
+    from llm_pretrain_client.store import FORMAT
+
+    writer = ShardWriter(tmp_path / "checkpoints", rank=0, world=1)
+    writer.save(6, {"w": np.ones(3, np.float32)}, run_state={"format": FORMAT, "step": 6, "dp_world_size": 1},
+                versions={})
+    assert writer.wait() and writer.last_error is None
+    assert mf.resume_step(env) == 6 and mf.prepare(config, env=env) == 6
+    assert config["data_skip_steps"] == 6 and config["callbacks"][0]["data_skip_steps"] == 6
