@@ -124,7 +124,9 @@ def child(leg: str, run: Path) -> None:
     def result(**more) -> None:
         client = built[0].client
         print("RESULT " + json.dumps({"leg": leg, "step": client.step, "losses": losses, "reports": client.reports,
-                                      "sha256": client.params_sha256(), **more}), flush=True)
+                                      "sha256": client.params_sha256(),
+                                      "mode": "graph" if ms.get_context("mode") == ms.GRAPH_MODE else "pynative",
+                                      **more}), flush=True)
 
     class Record(Callback):
         """After the Supervisor (MindFormers runs the YAML's callbacks first): each step's loss by the client's
@@ -185,7 +187,7 @@ def main() -> None:
     resumed = leg("resumed", work / "interrupted", work / "resumed.log")
     for got in (whole, crashed, resumed):
         print(f"  {got['leg']}: exit {got['returncode']}, {got['seconds']} s, ended after step {got['step']}, "
-              f"trained steps {min(got['losses'])}-{max(got['losses'])}, reports {got['reports']}")
+              f"trained steps {min(got['losses'])}-{max(got['losses'])} in {got['mode']} mode, reports {got['reports']}")
     problems = []
     if whole["returncode"] != 0 or resumed["returncode"] != 0 or crashed["returncode"] != 3:
         problems.append("a leg exited unexpectedly")
