@@ -54,19 +54,28 @@ def resume_step(env: Mapping[str, str] | None = None) -> int:
 
 def prepare(config: Any, env: Mapping[str, str] | None = None) -> int:
     """Sets a MindFormers config (a MindFormerConfig or a dict, before the Trainer is built from it) for a
-    supervised run: the dataset skips the steps the checkpoint already trained (data_skip_steps, ignore_data_skip
-    off), MindFormers' own resume is off (resume_training false, no load_checkpoint: the callback restores), and
-    the callback entry is added if the YAML lacks it and told the step, so it checks its restore against it and
-    claims the data position. Returns that step."""
+    supervised run; returns the step it resumes after. The dataset skips the steps the checkpoint already trained
+    (data_skip_steps, ignore_data_skip off); MindFormers' own resume is off (resume_training false, its optimizer
+    state never loaded: checkpoint.no_load_optim); on a resume its load_checkpoint / checkpoint.load_path are
+    cleared (the callback restores everything), on a first start they stay (pretrained weights to start from).
+    The callback entry is added if the YAML lacks it, and told the step: it checks its restore against it and
+    claims the data position."""
     step = resume_step(env)
     config["data_skip_steps"] = step
     config["ignore_data_skip"] = False
     config["resume_training"] = False
-    config["load_checkpoint"] = ""
+    checkpoint = config.get("checkpoint")
+    if checkpoint is None:                       # MindFormers 1.9.0's trainer reads checkpoint.load_path
+        checkpoint = {"load_path": ""} if type(config) is dict else type(config)(load_path="")
+        config["checkpoint"] = checkpoint
+    checkpoint["no_load_optim"] = True
+    if step:
+        config["load_checkpoint"] = ""
+        checkpoint["load_path"] = ""
     callbacks = config.get("callbacks") or []
     entry = next((c for c in callbacks if c.get("type") == NAME), None)
     if entry is None:
-        entry = {"type": NAME}
+        entry = {"type": NAME} if type(config) is dict else type(config)(type=NAME)
         callbacks.append(entry)
     entry["data_skip_steps"] = step
     config["callbacks"] = callbacks

@@ -152,9 +152,10 @@ def test_prepare_sets_mindformers_data_skip_to_the_step_the_client_resumes_after
 
     config = {"resume_training": True, "load_checkpoint": "/old/ckpt", "ignore_data_skip": True,
               "callbacks": [{"type": "MFLossMonitor"}]}
-    assert mf.prepare(config, env={}) == 0                    # outside the daemon: from the start, MindFormers off
-    assert config["data_skip_steps"] == 0 and not config["resume_training"] and config["load_checkpoint"] == ""
-    assert not config["ignore_data_skip"]
+    assert mf.prepare(config, env={}) == 0                    # outside the daemon: from the start, MindFormers' own
+    assert config["data_skip_steps"] == 0 and not config["resume_training"] and not config["ignore_data_skip"]
+    assert config["load_checkpoint"] == "/old/ckpt"           # resume off; pretrained weights kept on a first start
+    assert config["checkpoint"] == {"load_path": "", "no_load_optim": True}
     assert config["callbacks"] == [{"type": "MFLossMonitor"}, {"type": "LlmPretrainSupervisor", "data_skip_steps": 0}]
 
     cfg = load_config(None, [f'run.dir="{tmp_path}"', "train.steps=7", "script.command='train.py'"])
@@ -173,3 +174,6 @@ def test_prepare_sets_mindformers_data_skip_to_the_step_the_client_resumes_after
     assert writer.wait() and writer.last_error is None
     assert mf.resume_step(env) == 6 and mf.prepare(config, env=env) == 6
     assert config["data_skip_steps"] == 6 and config["callbacks"][0]["data_skip_steps"] == 6
+    config = {"load_checkpoint": "/pretrained", "checkpoint": {"load_path": "/mf/ckpt", "no_load_optim": False}}
+    assert mf.prepare(config, env=env) == 6                   # a resume: MindFormers loads nothing, the client does
+    assert config["load_checkpoint"] == "" and config["checkpoint"] == {"load_path": "", "no_load_optim": True}
