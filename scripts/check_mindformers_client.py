@@ -9,7 +9,8 @@ default YAML with a YAML of ours merged over it, whose `callbacks:` names LlmPre
 dataset skip (data_skip_steps, set by `prepare`), its callback registry and build_callback, its wrapper built by
 type from runner_wrapper (MFTrainOneStepCell with clipping; only its overflow check replaced: the stock one calls
 Ascend/GPU float-status kernels a CPU lacks), its AdamW and lr schedule, its MFLossMonitor, and MindSpore's
-Model.train under it — on the small LLaMA-like nn network of tests/e2e/client_scripts/tiny_llama.py (MindFormers'
+Model.train under it (in PyNative mode: the trainer leaves MindSpore there even with the YAML's context.mode 0
+and GRAPH_MODE set first; each leg says which) — on the small LLaMA-like nn network of tests/e2e/client_scripts/tiny_llama.py (MindFormers'
 LLaMA does not compile on CPU), under a fake daemon's environment: a resolved config TOML in LLM_PRETRAIN_CONFIG, no
 socket, no commands. Legs: `whole` trains 12 steps; `crashed` trains with a checkpoint every 4 steps and exits hard
 after step 10 (step 8's checkpoint committed); `resumed` starts again in the same run directory. Passes when the
@@ -85,7 +86,7 @@ def child(leg: str, run: Path) -> None:
     from mindformers.wrapper import MFTrainOneStepCell
     from tests.e2e.client_scripts.tiny_llama import Corpus, TinyLlama
 
-    ms.set_context(mode=ms.GRAPH_MODE)         # what the YAML's context.mode 0 asks (run_mindformer.py sets it)
+    ms.set_context(mode=ms.GRAPH_MODE)         # asked for; MindFormers' trainer still runs PyNative here (reported)
     ms.set_device("CPU")
     ms.set_seed(0)
 
