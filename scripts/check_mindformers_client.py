@@ -11,7 +11,8 @@ type from runner_wrapper (MFTrainOneStepCell with clipping; only its overflow ch
 Ascend/GPU float-status kernels a CPU lacks), its AdamW and lr schedule, its MFLossMonitor, and MindSpore's
 Model.train under it (in PyNative mode: the trainer leaves MindSpore there even with the YAML's context.mode 0
 and GRAPH_MODE set first; each leg says which) — on the small LLaMA-like nn network of
-tests/e2e/client_scripts/tiny_llama.py (MindFormers' LLaMA does not compile on CPU), under a fake daemon's environment: a resolved config TOML in LLM_PRETRAIN_CONFIG, no
+tests/e2e/client_scripts/tiny_llama.py (MindFormers' LLaMA does not compile on CPU), under a fake daemon's
+environment: a resolved config TOML in LLM_PRETRAIN_CONFIG, no
 socket, no commands. Legs: `whole` trains 12 steps; `crashed` trains with a checkpoint every 4 steps and exits hard
 after step 10 (step 8's checkpoint committed); `resumed` starts again in the same run directory. Passes when the
 resumed leg restored step 8, trained steps 9-12 with the whole run's losses, and ended with its parameters.
