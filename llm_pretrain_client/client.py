@@ -60,7 +60,8 @@ class Client:
         self.step = 0                      # optimizer steps done
         self.reason = "finished"
         self._stopping = False
-        self._claims = {"grad_norm": grad_norm, "loss_scale": loss_scale, "lr": False, "data_position": False}
+        self._claims = {"grad_norm": grad_norm, "loss_scale": loss_scale, "lr": False, "data_position": False,
+                        "skip_data": False}
         self.skips: list[tuple[int, int]] = []
         self.overrides: list[LrOverride] = []
         self.lr_schedule = None            # llm_pretrain_client.lr_multiplier.LrMultiplier, where the script made one
@@ -105,8 +106,6 @@ class Client:
     def reports(self) -> list[str]:
         """Of contracts.protocol.REPORTS, what this script reports."""
         have = {"loss", *(k for k, v in self._claims.items() if v)}
-        if self._claims["data_position"]:
-            have.add("skip_data")
         return [r for r in REPORTS if r in have]
 
     # Set-up ---------------------------------------------------------------------------------------
@@ -139,7 +138,7 @@ class Client:
         """The script's random-access samples as this rank's for the rest of the run (data_plan.SupervisedSource):
         resumed where the run was, the daemon's skip ranges stepped over, a spike drill's bad data in its
         window (needs `vocab_size`). Call after `restore`."""
-        self._claims["data_position"] = True
+        self._claims["data_position"] = self._claims["skip_data"] = True
         return data_plan.SupervisedSource(source, step_of=lambda: self.step, global_batch=self.global_batch,
                                           rank=self.rank, world=self.world, steps=self.total_steps,
                                           skips=lambda: self.skips, corrupt=self._corrupts, vocab_size=vocab_size)

@@ -99,11 +99,25 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def _top_level_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "llm_pretrain_client").glob("*.py")), ids=lambda p: p.name)
 def test_the_client_imports_mindspore_numpy_and_the_shared_packages_only(path):
     """Never the daemon or the engine: client/pyproject.toml installs it with contracts, checkpointing and
     durable alone, into a script's environment that has none of the daemon's dependencies."""
     allowed = {"__future__", "mindspore", "numpy", "contracts", "checkpointing", "durable", "llm_pretrain_client"}
+    if path.name == "mindformers.py":           # the MindFormers callback: imported inside its functions only
+        allowed.add("mindformers")
+        top = {n.split(".")[0] for n in _top_level_imports(path)}
+        assert "mindformers" not in top, "import mindformers inside functions: the client installs without it"
     assert all(n in sys.stdlib_module_names or n in allowed for n in _imports(path)), _imports(path)
 
 
@@ -117,3 +131,49 @@ def test_the_packages_the_client_ships_with_import_nothing_beyond_them():
             assert outside <= shipped | third_party, (path, outside)
     text = (ROOT / "client" / "pyproject.toml").read_text()
     assert all(f'"{d}"' in text for d in third_party) and all(f'"{p}"' in text for p in shipped)
+
+
+def test_the_mindformers_module_imports_without_mindspore_or_mindformers_and_reads_their_step_outputs():
+    """llm_pretrain_client.mindformers (docs/bring-your-own-script-mindformers.md): its pure parts load where neither
+    is installed; MFTrainOneStepCell's outputs by name, its global norm left out when it does not clip (None)."""
+    from llm_pretrain_client import mindformers as mf
+
+    assert mf.mindformers_fields(1.5) == {"loss": 1.5}
+    assert mf.mindformers_fields((1.5, False, 1024.0, 3e-3, None)) == {"loss": 1.5, "overflow": False,
+                                                                       "loss_scale": 1024.0, "lr": 3e-3}
+    assert mf.mindformers_fields((1.5, False, 1.0, 3e-3, 0.7, "local", "size"))["grad_norm"] == 0.7
+    assert mf.mindformers_fields((1.5, True, 8.0)) == {"loss": 1.5, "overflow": True, "loss_scale": 8.0}
+    assert mf.mindformers_fields((1.5, 0.2), ("loss", "grad_norm")) == {"loss": 1.5, "grad_norm": 0.2}
+
+
+def test_prepare_sets_mindformers_data_skip_to_the_step_the_client_resumes_after(tmp_path):
+    from contracts.config import load_config, to_toml
+    from llm_pretrain_client import mindformers as mf
+
+    config = {"resume_training": True, "load_checkpoint": "/old/ckpt", "ignore_data_skip": True,
+              "callbacks": [{"type": "MFLossMonitor"}]}
+    assert mf.prepare(config, env={}) == 0                    # outside the daemon: from the start, MindFormers' own
+    assert config["data_skip_steps"] == 0 and not config["resume_training"] and not config["ignore_data_skip"]
+    assert config["load_checkpoint"] == "/old/ckpt"           # resume off; pretrained weights kept on a first start
+    assert config["checkpoint"] == {"load_path": "", "no_load_optim": True}
+    assert config["callbacks"] == [{"type": "MFLossMonitor"}, {"type": "LlmPretrainSupervisor", "data_skip_steps": 0}]
+
+    cfg = load_config(None, [f'run.dir="{tmp_path}"', "train.steps=7", "script.command='train.py'"])
+    (tmp_path / "config.toml").write_text(to_toml(cfg))
+    env = {"LLM_PRETRAIN_CONFIG": str(tmp_path / "config.toml")}
+    assert mf.resume_step(env) == 0                           # supervised, before the first checkpoint
+    config = {"callbacks": [{"type": "LlmPretrainSupervisor", "seq_len": 16}]}
+    assert mf.prepare(config, env=env) == 0 and config["callbacks"] == [{"type": "LlmPretrainSupervisor",
+                                                                          "seq_len": 16, "data_skip_steps": 0}]
+    from checkpointing.writer import ShardWriter                # a checkpoint of the client's format at step 6
+    from llm_pretrain_client.store import FORMAT
+
+    writer = ShardWriter(tmp_path / "checkpoints", rank=0, world=1)
+    writer.save(6, {"w": np.ones(3, np.float32)}, run_state={"format": FORMAT, "step": 6, "dp_world_size": 1},
+                versions={})
+    assert writer.wait() and writer.last_error is None
+    assert mf.resume_step(env) == 6 and mf.prepare(config, env=env) == 6
+    assert config["data_skip_steps"] == 6 and config["callbacks"][0]["data_skip_steps"] == 6
+    config = {"load_checkpoint": "/pretrained", "checkpoint": {"load_path": "/mf/ckpt", "no_load_optim": False}}
+    assert mf.prepare(config, env=env) == 6                   # a resume: MindFormers loads nothing, the client does
+    assert config["load_checkpoint"] == "" and config["checkpoint"] == {"load_path": "", "no_load_optim": True}
