@@ -54,6 +54,8 @@ bench: $(INSTALLED)
 	$(BIN)/python bench/fingerprint_cost.py
 	$(BIN)/python bench/multinode_scale.py
 	$(BIN)/python bench/multinode_recovery.py
+	$(BIN)/python bench/ram_tier_replay.py
+	$(BIN)/python bench/client_overhead.py
 	$(BIN)/python bench/performance_table.py --write
 
 # the documentation site: docs/ as mkdocs.yml names it, built into site/ with --strict (a broken link, or a

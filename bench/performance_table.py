@@ -201,6 +201,16 @@ def costs(docs: dict[str, dict]) -> list[str]:
     if fp:
         rows.append(_share_row(fp, f"replica fingerprints every {fp['interval_steps']} steps ({fp['config']})", 3, "",
                                "fingerprint_cost.py"))
+    client = docs.get("client_overhead")
+    if client:
+        share, steps = client["callback_share_of_step"], sorted(client["unsupervised_step_s"])
+        rows.append(f"| a user's `Model.train` script supervised through `llm_pretrain_client` (small, "
+                    f"{client['width']} wide × {client['layers']} layers, MindSpore's `nn`): the callback a step | "
+                    f"**{100 * share:.3f} %** ({client['callback_ms_per_step']:.2f} ms of a "
+                    f"{steps[len(steps) // 2]:.2f} s step; the whole step supervised over unsupervised "
+                    f"×{client['step_ratio']:.3f}) | "
+                    f"{_target(_at_most(client['target_share']), share <= client['target_share'])} | "
+                    f"`client_overhead.py` |")
     return rows
 
 

@@ -143,7 +143,7 @@ def main() -> None:
           f"{committed} RAM checkpoints committed, {len(failed)} failed")
     print(f"per save ({args.cycles} cycles of {2 * interval} steps, a save after the first):")
     print(f"  a RAM save blocks the step        {blocked * 1e3:6.2f} ms (median of {args.cycles})")
-    print(f"  the steps after it run longer by  " + " ".join(f"{e * 1e3:+.2f}" for e in excess)
+    print("  the steps after it run longer by  " + " ".join(f"{e * 1e3:+.2f}" for e in excess)
           + f" ms (each position's median against the steps {interval + 1}..{2 * interval - 1} after it)")
     if writer_cpu_per_save is not None:
         print(f"  the writer process's CPU a save   {writer_cpu_per_save * 1e3:6.2f} ms (from /proc, 10 ms ticks)")

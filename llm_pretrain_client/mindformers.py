@@ -1,4 +1,4 @@
-"""The client under MindFormers' Trainer (docs/bring-your-own-script-mindformers.md): a callback MindFormers builds by
+"""The client under MindFormers' Trainer (docs/bring-your-own-script.md#mindformers): a callback MindFormers builds by
 type from its YAML, and the one call a launcher makes on its config before the Trainer, so the data resumes where
 the run's checkpoint left it.
 

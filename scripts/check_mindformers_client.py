@@ -1,5 +1,5 @@
 """MindFormers' own Trainer supervised through llm_pretrain_client.mindformers, on a CPU (issue 49; the recipe:
-docs/bring-your-own-script-mindformers.md). Run by the MindFormers venv's interpreter with this repository on the
+docs/bring-your-own-script.md#mindformers). Run by the MindFormers venv's interpreter with this repository on the
 path (mindformers 1.9.0 pins mindspore 2.9.0; the client needs Python >= 3.11 and crc32c, safetensors there):
 
     PYTHONPATH=<repo> ~/.cache/llm-pretrain/venv-mindformers-1.9.0/bin/python scripts/check_mindformers_client.py

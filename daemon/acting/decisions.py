@@ -143,6 +143,7 @@ def end_as(outcome: watch.Finished | watch.Stopped | watch.WorkerFailed | watch.
         # the ranks' exit events say where they ended; their last step datagrams may have been dropped
         # (a full socket queue under load), and `status` must not say the run ended short of its end
         ledger.state.note_progress({**last, "step": outcome.step})
+        ledger.metrics.update(step=outcome.step)
     return ledger.exit(code, kind, kind, step=outcome.step, **({"detail": stop_reason} if stop_reason else {}))
 
 

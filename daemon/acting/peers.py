@@ -14,7 +14,7 @@ import os
 import time
 from typing import Callable, Mapping, Protocol
 
-from contracts.config import Config, with_changes
+from contracts.config import Config
 from contracts.protocol import ExitCode
 from daemon.acting import decisions
 from daemon.judging import quarantine, watch

@@ -18,7 +18,7 @@ from typing import Mapping
 
 from contracts.config import Config
 from contracts.errors import ConfigError
-from contracts.protocol import ENV_GROUP_HUB, ENV_LOCAL_GROUP, ENV_LOCAL_RANK, ENV_LOCAL_WORLD
+from contracts.protocol import ENV_LOCAL_WORLD
 from engine.layout import parallel
 from engine.training.gradient_sum import GradientSum, choose, local_group
 

@@ -59,7 +59,8 @@ def test_a_model_train_script_killed_resumes_from_its_checkpoint_and_ends_as_an_
     Adam's moments and step count, the data position — it ends with the uninterrupted run's parameters. The
     script reports no grad norm: said once, and `status` says which detectors are off."""
     whole = _run(cli, quiet_env, tmp_path / "whole", MODEL_TRAIN, steps=50)
-    killed = _run(cli, quiet_env, tmp_path / "killed", MODEL_TRAIN, steps=50,
+    textfile = tmp_path / "metrics.prom"
+    killed = _run(cli, quiet_env, tmp_path / "killed", MODEL_TRAIN, f'run.metrics_textfile="{textfile}"', steps=50,
                   injects=[("crash", "--rank", "0", "--at-step", "35")])
     starts = _named(killed, "generation_start")
     assert len(starts) == 2 and starts[1]["resume_step"] == 30 and _named(killed, "crash")
@@ -78,6 +79,8 @@ def test_a_model_train_script_killed_resumes_from_its_checkpoint_and_ends_as_an_
                             capture_output=True, text=True, timeout=60)
     state = json.loads(status.stdout)
     assert state["status"] == "finished" and "grad_norm" in state["script_reports"]["missing"]
+    metrics = textfile.read_text()                       # the metrics as for the engine's runs
+    assert 'llm_pretrain_step{run="killed"} 50' in metrics and 'llm_pretrain_restarts_total{run="killed"} 1' in metrics
     plot = subprocess.run([*cli, "plot", str(tmp_path / "killed"), "-o", str(tmp_path / "killed.png")],
                           env=quiet_env, capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0 and (tmp_path / "killed.png").stat().st_size > 0, plot.stderr

@@ -4,7 +4,6 @@ lint (tests/e2e/strategy_lint.py): the loss's divisor inserted (gradient factor 
 its slice's replicas, each parameter sliced as the layout's strategy says. Every shipped config and layout the
 strategy lint covers (shrunk the same way), at MS_SIMULATION_LEVEL=0; one at level 1 (the backend and its
 memory plan). The same check fails on the step as it was (value_and_grad with has_aux: no divisor, 8x)."""
-import math
 import sys
 import time
 

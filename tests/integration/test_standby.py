@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 
-import pytest
 
 from tests.integration.test_recovery_policy import QUICK_HEALTH, _steps
 from tests.integration.test_supervisor import _finish, _logged, _named, _start, _wait

@@ -134,7 +134,7 @@ def test_the_packages_the_client_ships_with_import_nothing_beyond_them():
 
 
 def test_the_mindformers_module_imports_without_mindspore_or_mindformers_and_reads_their_step_outputs():
-    """llm_pretrain_client.mindformers (docs/bring-your-own-script-mindformers.md): its pure parts load where neither
+    """llm_pretrain_client.mindformers (docs/bring-your-own-script.md#mindformers): its pure parts load where neither
     is installed; MFTrainOneStepCell's outputs by name, its global norm left out when it does not clip (None)."""
     from llm_pretrain_client import mindformers as mf
 

@@ -62,4 +62,4 @@ def test_a_finished_run_says_its_last_step_when_the_last_step_datagrams_were_dro
     ledger.state.note_progress({"step": 8, "loss": 2.5, "tokens_per_s": 100.0})
     assert decisions.end_as(watch.Finished(12), ledger, stop_code=0, stop_reason=None) == 0
     saved = RunState.load(files.node_dir).last_progress
-    assert saved["step"] == 12 and saved["loss"] == 2.5
+    assert saved["step"] == 12 and saved["loss"] == 2.5 and ledger.metrics.step == 12
