@@ -153,34 +153,37 @@ def test_a_flipped_bit_is_rerun_found_transient_and_the_run_ends_as_an_uninterru
     assert len(ours) == 1 and ours == theirs, (ours, theirs)
 
 
-def test_a_nan_is_rerun_from_the_ram_checkpoint_just_before_it_and_every_report_names_that_step(
+def test_a_spike_is_rerun_from_the_ram_checkpoint_just_before_it_and_every_report_names_that_step(
         cli, quiet_env, tmp_path, stdlib_corpus):
-    """Issue 50, item 4: the ranks ran on past the NaN and retired the RAM tier's checkpoints before it, so the rerun
-    started from the disk (40 here: 10 steps trained again; 36-43 at a disk interval of 50); now the daemon retires
-    the RAM tier and keeps what precedes an incident not yet decided."""
-    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=1", steps=70,
-                             injects=[("nan", "--rank", "1", "--at-step", "50")])
+    """Issue 50, item 4: a spike is detected after its hold (3 steps), by when the ranks, keeping their newest two RAM
+    checkpoints, had retired those before it: the reruns and the rollback started from the disk (40 here, 36-43
+    steps at a disk interval of 50). Now the daemon retires the RAM tier and keeps what precedes an incident not yet
+    decided: each starts from the RAM tier, and the events, STATUS line and status name that step."""
+    done, run, events = _run(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=1",
+                             "health.loss_spike_warmup_steps=30", "health.loss_spike_window_steps=20", steps=90,
+                             injects=[("spike", "--rank", "0", "--at-step", "60", "--steps", "6")])
     assert done.returncode == 0, done.stderr[-3000:]
-    rerun = _check_recorded(run, events, "non_finite", "rerun")
-    start = rerun["action"]["checkpoint_step"]
-    assert rerun["first_step"] == 50 and start == 49, start           # not the disk's 40
-    gen1 = _steps(run, 1)
-    assert max(gen1) > 50                                             # the ranks had run on past it
-    # where the ranks resumed, as they restored it and as the daemon said it at each step of the way
-    restored = next(e for e in _named(events, "checkpoint_restored") if e["generation"] == 2)
-    assert restored["step"] == start and restored["tier"] == "ram" and restored["path"].startswith("/dev/shm/")
-    [rollback] = _named(events, "rollback")
-    assert rollback["checkpoint_step"] == start and rollback["checkpoint_tier"] == "ram"
-    second = next(e for e in _named(events, "generation_start") if e["generation"] == 2)
-    assert second["resume_step"] == start and second["resume_tier"] == "ram"
-    assert min(_steps(run, 2)) == start + 1
-    [triage] = _named(events, "triage")
-    assert triage["verdict"] == "transient"
+    rerun = _check_recorded(run, events, "loss_spike", "rerun")
+    assert rerun["first_step"] == 60 and rerun["action"]["checkpoint_step"] == 59       # not the disk's 40
+    rollback = _check_recorded(run, events, "loss_spike", "rollback")
+    start = rollback["action"]["checkpoint_step"]
+    assert start == 49                                 # the newest before 60 - margin 10, in the RAM tier
+    assert [t["verdict"] for t in _named(events, "triage")] == ["deterministic", "data"]
+    # where each generation resumed, as its ranks restored it and as the daemon said it at each step of the way
+    resumed = {g: next(e for e in _named(events, "checkpoint_restored") if e["generation"] == g) for g in (2, 3, 4)}
+    assert [(resumed[g]["step"], resumed[g]["tier"]) for g in (2, 3, 4)] == [(59, "ram"), (59, "ram"), (49, "ram")]
+    assert all(r["path"].startswith("/dev/shm/") for r in resumed.values())
+    assert [(e["checkpoint_step"], e["checkpoint_tier"]) for e in _named(events, "rollback")] == [
+        (59, "ram"), (59, "ram"), (49, "ram")]
+    starts = {e["generation"]: e for e in _named(events, "generation_start")}
+    assert [(starts[g]["resume_step"], starts[g]["resume_tier"]) for g in (2, 3, 4)] == [
+        (59, "ram"), (59, "ram"), (49, "ram")]
+    assert min(_steps(run, 4)) == start + 1
     shown = subprocess.run([*cli, "status", str(run), "--json"], env=quiet_env, capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
-    assert json.loads(shown.stdout)["resumed_from"] == {"step": start, "tier": "ram", "generation": 2, "restored": True}
+    assert json.loads(shown.stdout)["resumed_from"] == {"step": start, "tier": "ram", "generation": 4, "restored": True}
     text = subprocess.run([*cli, "status", str(run)], env=quiet_env, capture_output=True, text=True).stdout
-    assert f"step {start} (RAM tier), generation 2" in text
+    assert f"step {start} (RAM tier), generation 4" in text
 
 
 def test_a_weight_corrupted_on_one_replica_is_caught_by_the_fingerprints_and_rolled_back_to_where_they_agreed(
