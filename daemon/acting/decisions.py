@@ -138,12 +138,8 @@ def end_as(outcome: watch.Finished | watch.Stopped | watch.WorkerFailed | watch.
                            detail=outcome.detail)
     kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
     code = stop_code if kind == "stopped" else ExitCode.OK
-    last = ledger.state.last_progress
-    if outcome.step is not None and outcome.step > int(last.get("step") or 0):
-        # the ranks' exit events say where they ended; their last step datagrams may have been dropped
-        # (a full socket queue under load), and `status` must not say the run ended short of its end
-        ledger.state.note_progress({**last, "step": outcome.step})
-        ledger.metrics.update(step=outcome.step)
+    if outcome.step is not None:
+        ledger.ended_at(outcome.step)
     return ledger.exit(code, kind, kind, step=outcome.step, **({"detail": stop_reason} if stop_reason else {}))
 
 

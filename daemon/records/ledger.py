@@ -188,6 +188,15 @@ class Ledger:
         self.save()
         self.notify.status(what)
 
+    def ended_at(self, step: int) -> None:
+        """The ranks ended at `step` (their exit events say so): the last progress says no less. Their last
+        step datagrams may have been dropped (a full socket queue on a loaded machine), and `status` and the
+        metrics must not say the run ended short of where it did."""
+        last = self.state.last_progress
+        if step > int(last.get("step") or 0):
+            self.state.note_progress({**last, "step": step})
+            self.metrics.update(step=step)
+
     def exit(self, code: int, status: str, reason: str, level: str = "info", **fields: Any) -> int:
         """The daemon ends with `code`: its status saved, a `daemon_exit` event."""
         self.set_status(status)
