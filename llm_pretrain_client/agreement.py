@@ -20,4 +20,6 @@ class Agreement:
 
         if self._allreduce is None:
             self._allreduce = ops.AllReduce()
-        return [int(v) for v in self._allreduce(ms.Tensor(list(vector), ms.int32)).asnumpy()]
+        # float32: MindSpore's CPU AllReduce takes float32 and float16 only (int32 fails its kernel select);
+        # the slots are flags and counts far below 2**24, which float32 holds exactly
+        return [int(round(float(v))) for v in self._allreduce(ms.Tensor(list(vector), ms.float32)).asnumpy()]

@@ -40,8 +40,8 @@ def _run(cli, env, run: Path, script: str, *extra: str, steps: int, injects=(), 
     return daemon_events(run)
 
 
-def _rank_events(run: Path, kind: str) -> list[dict]:
-    lines = (run / "logs" / "rank-0.log").read_text().splitlines()
+def _rank_events(run: Path, kind: str, rank: int = 0) -> list[dict]:
+    lines = (run / "logs" / f"rank-{rank}.log").read_text().splitlines()
     return [e for e in (json.loads(l) for l in lines if l.startswith("{")) if e.get("kind") == kind]
 
 
@@ -84,6 +84,28 @@ def test_a_model_train_script_killed_resumes_from_its_checkpoint_and_ends_as_an_
     plot = subprocess.run([*cli, "plot", str(tmp_path / "killed"), "-o", str(tmp_path / "killed.png")],
                           env=quiet_env, capture_output=True, text=True, timeout=120)
     assert plot.returncode == 0 and (tmp_path / "killed.png").stat().st_size > 0, plot.stderr
+
+
+def test_a_data_parallel_model_train_script_killed_resumes_on_both_ranks_as_an_uninterrupted_run(
+        cli, quiet_env, tmp_path):
+    """Two ranks of the script (msrun's environment, mindspore.communication.init(), data parallel): the
+    crash drill reaches rank 1 through the commands both ranks agree on (one AllReduce a step); after the
+    kill -9 both resume from step 20's checkpoint, written as a share by each rank, and end with the
+    parameters of an uninterrupted two-rank run — the same on both ranks."""
+    dp = ("parallel.dp=2", "train.micro_batch=4")
+    whole = _run(cli, quiet_env, tmp_path / "whole", MODEL_TRAIN, *dp, steps=30)
+    killed = _run(cli, quiet_env, tmp_path / "killed", MODEL_TRAIN, *dp, steps=30,
+                  injects=[("crash", "--rank", "1", "--at-step", "25")])
+    assert len(_named(whole, "generation_start")) == 1
+    starts = _named(killed, "generation_start")
+    assert len(starts) == 2 and starts[1]["resume_step"] == 20 and _named(killed, "crash")
+    digests = {(name, rank): _rank_events(tmp_path / name, "exit", rank)[-1]
+               for name in ("whole", "killed") for rank in (0, 1)}
+    assert {e["step"] for e in digests.values()} == {30}
+    assert len({e["params_sha256"] for e in digests.values()}) == 1, digests
+    for rank in (0, 1):
+        restored = [e for e in _rank_events(tmp_path / "killed", "checkpoint", rank) if e["stage"] == "restored"]
+        assert [e["step"] for e in restored] == [20]
 
 
 def test_a_custom_loops_bad_data_is_rerun_rolled_back_skipped_and_its_lr_cut_is_in_the_optimizer(

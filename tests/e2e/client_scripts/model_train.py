@@ -14,6 +14,10 @@ ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
 ms.set_seed(0)
 client = Client()                                                    # what the daemon handed this rank
+if client.world > 1:                                                 # data parallel, as under msrun
+    from mindspore.communication import init
+    init()
+    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True)
 net = TinyLlama()
 optimizer = nn.AdamWeightDecay(net.trainable_params(), learning_rate=client.lr(3e-3))
 train_net = nn.TrainOneStepCell(net, optimizer)
