@@ -138,7 +138,7 @@ def end_as(outcome: watch.Finished | watch.Stopped | watch.WorkerFailed | watch.
                            detail=outcome.detail)
     kind = "finished" if isinstance(outcome, watch.Finished) else "stopped"
     code = stop_code if kind == "stopped" else ExitCode.OK
-    if outcome.step is not None:
+    if kind == "finished" and outcome.step is not None:     # every rank at the run's last step (a stop's may differ)
         ledger.ended_at(outcome.step)
     return ledger.exit(code, kind, kind, step=outcome.step, **({"detail": stop_reason} if stop_reason else {}))
 
