@@ -204,7 +204,11 @@ def _goodput(state: RunState, now: float) -> dict[str, Any] | None:
     if not state.goodput:
         return None
     g = Goodput.from_dict(state.goodput)
-    return {**g.to_dict(), "largest_losses": [{"cause": c, "seconds": round(s, 1)} for c, s in g.largest_losses(3)],
+    # the ratio the daemon saved and exported, not one re-derived from the rounded seconds (72.8 % beside 72.9 %)
+    saved = state.goodput.get("ratio")
+    ratio = {"ratio": saved} if isinstance(saved, float) and 0 <= saved <= 1 else {}
+    return {**g.to_dict(), **ratio,
+            "largest_losses": [{"cause": c, "seconds": round(s, 1)} for c, s in g.largest_losses(3)],
             "restart_s": round(g.restart_s(), 3),
             "age_s": round(now - g.at_unix_s, 1) if g.at_unix_s else None}
 

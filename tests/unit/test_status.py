@@ -182,3 +182,12 @@ def test_after_a_clean_finish_every_machine_s_daemon_ended_it_was_not_lost(tmp_p
     assert "LOST" not in text and "node 1           finished, generation 3, step 400, daemon ended" in text
     s["nodes"][1]["status"] = "running"
     assert "node 1           running, generation 3, step 400, daemon LOST (no etcd lease)" in render(s)
+
+
+def test_goodput_is_the_ratio_the_daemon_saved_not_one_rederived_from_rounded_seconds(tmp_path):
+    """The daemon saves the ratio of its unrounded seconds (0.7285, also in the metrics); re-derived from the
+    seconds as saved (rounded to ms) it is 0.7284: status said 72.8 % where the metrics said 72.85 %."""
+    _state(tmp_path, goodput={"productive_s": 72.84, "badput_s": {"other": 27.16}, "wall_s": 100.0, "ratio": 0.7285})
+    s = summary(tmp_path, now=4601.0)
+    assert s["goodput"]["ratio"] == 0.7285
+    assert "goodput          72.9% of" in render(s)
