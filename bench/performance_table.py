@@ -159,8 +159,12 @@ def _ledger(ledger: dict | None) -> str:
     """The daemon's goodput ledger of the same runs beside the bench's figure (bench/goodput.py: faulty over clean)."""
     if not ledger or ledger.get("relative") is None:
         return ""
-    return (f"; the daemon's ledger {ledger['relative']:.3f} ({ledger['difference_points']:+.1f} points; "
-            f"{ledger['faulty']:.3f} of the wall time with kills, {ledger['clean']:.3f} without)")
+    if ledger.get("paced") is None:          # a result from before the paced figure
+        return (f"; the daemon's ledger {ledger['relative']:.3f} ({ledger['difference_points']:+.1f} points; "
+                f"{ledger['faulty']:.3f} of the wall time with kills, {ledger['clean']:.3f} without)")
+    return (f"; at each run's own pace {ledger['paced']:.3f}, the daemon's ledger {ledger['relative']:.3f} "
+            f"({ledger['difference_points']:+.1f} points; {ledger['faulty']:.3f} of the wall time with kills, "
+            f"{ledger['clean']:.3f} without)")
 
 
 def costs(docs: dict[str, dict]) -> list[str]:

@@ -86,6 +86,11 @@ class StepEvent(_Event):
     host_s: float = 0.0       # from the previous step's end to this step's compiled work: data, drills, saves
     sync_s: float = 0.0       # in the compiled graph holding the step's collectives: the rank the others
                               # wait for spends the least time there
+    # the goodput ledger's split of host_s: the loop's own work between the steps (events, commands, the
+    # feed's hand-off: part of training's pace) and the RAM tier's saves (a checkpoint's cost); a disk save's
+    # staging, a validation and a pause are said by their own events and in neither
+    loop_s: float = 0.0
+    memory_save_s: float = 0.0
     # data parallel (up to 64 ranks): every rank's own loss and own gradient norm before the sum, by rank —
     # which rank a non-finite or outlying gradient came from (daemon.judging.triage)
     rank_losses: list[float] | None = None

@@ -8,8 +8,10 @@ rebuild from the event log — continues it.
 How the time is split. The ledger has settled the run's time up to `at_unix_s`; each input settles
 the interval since then:
 
-- what the ranks measured and said — a step's `step_s` (less its `data_wait_s`), its data wait, a
-  checkpoint's `staged` seconds, a validation's seconds — is a *claim* on that interval, credited to
+- what the ranks measured and said — a step's `step_s` (less its `data_wait_s`) with the loop's own
+  work since the step before (`loop_s`: sending events, reading commands), its data wait, the RAM
+  tier's saves since the step before, a disk checkpoint's `staged` seconds, a validation's seconds —
+  is a *claim* on that interval, credited to
   its cause (claims beyond the interval wait for the next one: the sum is always the wall time). While
   training, up to SLACK_S of time no claim has taken yet is held (`slack`) before it is called `other`:
   the ranks' events reach the daemon a tick late, several at a time, and their claims take it then;
@@ -77,8 +79,11 @@ class Goodput:
         if phase in ("restore", "compile") and not self.stepping:
             self._enter(phase, now)
 
-    def step(self, now: float, *, step: int, step_s: float, data_wait_s: float) -> None:
-        """A step of the watched rank. The generation's first step compiles: its time is `compile`."""
+    def step(self, now: float, *, step: int, step_s: float, data_wait_s: float, loop_s: float = 0.0,
+             memory_save_s: float = 0.0) -> None:
+        """A step of the watched rank. The generation's first step compiles: its time is `compile`.
+        `loop_s`: the loop's own work since the step before (it goes with this step: productive or
+        retrained); `memory_save_s`: the RAM tier's saves since then (checkpoint)."""
         new = step > self.high_step
         self.high_step = max(self.high_step, step)
         if not self.stepping:
@@ -91,11 +96,12 @@ class Goodput:
             self._enter("training", now)
         if new:
             self.steps += 1
-            self._claim("productive", max(0.0, step_s - data_wait_s))
+            self._claim("productive", max(0.0, step_s - data_wait_s) + max(0.0, loop_s))
             self._claim("data_wait", max(0.0, data_wait_s))
         else:
             self.retrained_steps += 1
-            self._claim("retrained", max(0.0, step_s))
+            self._claim("retrained", max(0.0, step_s) + max(0.0, loop_s))
+        self._claim("checkpoint", max(0.0, memory_save_s))
         self.settle(now)
 
     def claim(self, cause: str, seconds: float, now: float) -> None:

@@ -303,7 +303,8 @@ class Ledger:
         """A step of the watched rank: its sample range (a later skip's source) and the metrics always;
         systemd's STATUS= and a `progress` event (with state.json's last_progress) when asked. The
         mean of the last STEP_TIMES_KEPT step times (never a compiling first step) makes status's ETA."""
-        self.goodput.step(time.time(), step=ev.step, step_s=ev.step_s, data_wait_s=ev.data_wait_s)
+        self.goodput.step(time.time(), step=ev.step, step_s=ev.step_s, data_wait_s=ev.data_wait_s,
+                          loop_s=ev.loop_s, memory_save_s=ev.memory_save_s)
         if not compiled:
             self.step_times.append(ev.step_s)
         elif self.generation_opened is not None:      # training again: recovery's last leg, timed

@@ -7,6 +7,7 @@ complete single-process trainer or as one rank of MindSpore's dynamic cluster
 """
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import hashlib
 import itertools
@@ -279,6 +280,9 @@ class RankRun:
         self.intervals = {key: value if isinstance(value, int) else AUTO_FIRST_STEPS for key, value in (
             ("interval_steps", cfg.checkpoint.interval_steps),
             ("memory_interval_steps", cfg.checkpoint.memory_interval_steps))}
+        # since the previous step's end: what its own events say (saves, validation, a pause, the
+        # fingerprint), and of it the RAM tier's saves, said in the next step's event (the goodput ledger)
+        self.aside_s = self.memory_save_s = 0.0
 
     @classmethod
     def start(cls, cfg: Config, *, out: TextIO, env) -> RankRun:
@@ -348,7 +352,9 @@ class RankRun:
         while trainer.step < last:
             event, agreed = self._step(last)
             stopping, pausing, save_now = self._agree(event, agreed, last)
-            self._save(event, save_now)
+            aside = time.perf_counter()
+            if self._save(event, save_now) == "memory":
+                self.memory_save_s += time.perf_counter() - aside
             self._fingerprint(event.step)
             if stopping:
                 return "stopped"
@@ -357,6 +363,7 @@ class RankRun:
                 outcome = self._pause()
                 if outcome != "resume":
                     return "stopped" if outcome == "stop" else "released"
+            self.aside_s += time.perf_counter() - aside
         return reason
 
     def _step(self, last: int) -> tuple[StepEvent, np.ndarray]:
@@ -376,6 +383,11 @@ class RankRun:
                                           corpus=e.path, blocks=[b.to_dict() for b in e.bad], detail=str(e),
                                           corpus_blocks=e.corpus_blocks))
             raise
+        # host_s less the data wait and what is said elsewhere: the loop's own work (this event's sending,
+        # the commands, the drills) goes with the step
+        event = dataclasses.replace(event, loop_s=max(0.0, event.host_s - event.data_wait_s - self.aside_s),
+                                    memory_save_s=self.memory_save_s)
+        self.aside_s = self.memory_save_s = 0.0
         # every step to the supervisor (its health detectors), every log interval to the rank's log
         self.sink.emit(event, log=event.step % self.cfg.train.log_interval_steps == 0 or event.step == last)
         if self.cap_until and trainer.step >= self.cap_until:
@@ -404,15 +416,18 @@ class RankRun:
                                        isinstance(v, int) and v >= 1})
         return stopping, pausing, save_now
 
-    def _save(self, event: StepEvent, save_now: bool) -> None:
+    def _save(self, event: StepEvent, save_now: bool) -> str | None:
+        """Saves after this step when due: to disk (`save_now`) or the RAM tier; says which, or None."""
         if self.simulated:
-            return
+            return None
         metrics = {"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr, "loss_scale": event.loss_scale}
         in_memory = self.cfg.checkpoint.memory_interval_steps and self.intervals["memory_interval_steps"]
         if save_now or (in_memory and event.step % in_memory == 0):
             self.board("save")
             self.ckpt.save(metrics, **({} if save_now else {"memory": True}))   # the RAM tier, between disk saves
             self.board("between")
+            return "disk" if save_now else "memory"
+        return None
 
     def _fingerprint(self, step: int) -> None:
         """Every health.fingerprint_interval_steps, this replica's digest to the supervisor, which compares

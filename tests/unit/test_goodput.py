@@ -42,7 +42,28 @@ def test_a_clean_generation_is_start_restore_compile_then_productive_steps():
     _sums_to_wall(g, end - T0)
 
 
-def test_data_waits_checkpoint_stalls_validation_and_the_gaps_between_steps():
+def test_the_loop_work_loop_steps_goes_with_the_step_and_the_ram_tier_saves_are_checkpoint_time():
+    """A rank's step takes 0.8 s in the step and 0.1 s in the loop around it (its events, the commands), and
+    the RAM tier's save after each step blocks 0.1 s: nothing is `other`, a retrained step's loop work is
+    retrained time, and the RAM saves are the checkpoint's."""
+    g = Goodput()
+    g.resume(T0, ended=False)
+    t = _generation(g, T0, 1, 1)
+    for s in range(2, 7):
+        t += 1.0
+        g.step(t, step=s, step_s=0.8, data_wait_s=0.0, loop_s=0.1, memory_save_s=0.1)
+    for s in (5, 6):                              # a rollback: trained again
+        t += 1.0
+        g.step(t, step=s, step_s=0.8, data_wait_s=0.0, loop_s=0.1, memory_save_s=0.1)
+    g.generation_over(t)
+    assert g.productive_s == pytest.approx(5 * 0.9)
+    assert g.badput_s["retrained"] == pytest.approx(2 * 0.9)
+    assert g.badput_s["checkpoint"] == pytest.approx(7 * 0.1)
+    assert g.badput_s["other"] == pytest.approx(0.0, abs=1e-9)
+    _sums_to_wall(g, t - T0)
+
+
+def test_data_waits_checkpoint_stalls_validation_and_the_gaps_loop_steps():
     g = Goodput()
     g.resume(T0, ended=False)
     t = _generation(g, T0, 1, 5, step_s=1.0, data_wait_s=0.25)
