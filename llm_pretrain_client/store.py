@@ -31,7 +31,7 @@ class ScriptCheckpoints:
         self.root = run_dir / "checkpoints"
         self.memory_root = (layout.memory_root(run_dir, cfg.checkpoint.memory_dir)
                             if cfg.checkpoint.memory_interval_steps else None)
-        self.writer = ShardWriter(self.root, rank=rank, world=world, emit=self._emit)
+        self.writer = ShardWriter(self.root, rank=rank, world=world, emit=self._emit, checksum=cfg.checkpoint.checksum)
         self.memory_writer = None
         self.params: list = []
         self.plan: dict[str, int] = {}

@@ -86,7 +86,7 @@ class TrainerCheckpoints:
         self.plan = {} if self.sliced else partition.assign(sizes, self.world)
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
-                                  on_commit=self._retire if retain else None)
+                                  on_commit=self._retire if retain else None, checksum=cfg.checkpoint.checksum)
         # the RAM tier: the same checkpoints on a tmpfs, between disk saves; alone the newest two are kept, under the
         # daemon it retires them (daemon.processes.run_files.retire_memory: it keeps those an incident may need)
         self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir)

@@ -35,9 +35,16 @@ def base(stdlib_corpus):
 def test_resume_is_bit_exact_with_one_rank(cli, quiet_env, tmp_path, base):
     straight, a = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "a"}"'))
     first, b1 = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "b"}"'), "--until-step", "20")
-    second, b2 = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "b"}"'))
+    # the second half with sha256 shard checksums: which checksum a save records is no part of the trajectory
+    second, b2 = _train(cli, quiet_env, tmp_path, *sets(*base, f'run.dir="{tmp_path / "b"}"',
+                                                         'checkpoint.checksum="sha256"'))
     assert straight.returncode == first.returncode == second.returncode == 0, second.stderr[-2000:]
     assert b1[-1]["reason"] == "until_step" and b1[-1]["step"] == 20
+    ckpts = tmp_path / "b" / "checkpoints"
+    for step, checksum in ((20, "crc32c"), (40, "sha256")):       # CRC32C by default
+        assert set(reader.read_manifest(ckpts / layout.step_name(step))["shards"][0]) == {"file", checksum,
+                                                                                       "size_bytes"}
+        assert reader.verify(ckpts / layout.step_name(step)) == []
     assert [e for e in b2 if e.get("stage") == "restored"][0]["step"] == 20
     assert [e["step"] for e in b2 if e["kind"] == "step"][0] == 21
     la, lb = _losses(a), _losses(b2)

@@ -36,6 +36,7 @@ BAD = [
     (['train.precision="bf16"'], ['train.precision = "bf16"', 'train.device = "ascend"', '"fp32" or "fp16"']),
     (["parallel.tp=2"], ["parallel.tp", "ascend", "data parallel"]),
     (["parallel.pp=2"], ["parallel.pp", "ascend"]),
+    (['checkpoint.checksum="md5"'], ["checkpoint.checksum", "'md5'", "'crc32c', 'sha256'"]),
     (["parallel.optimizer_shard=true"], ["parallel.optimizer_shard", "ascend"]),
     (["train.global_batch=12"], ["train.global_batch = 12", "micro_batch (8)", "= 8"]),
     (["parallel.dp=2"], ["train.global_batch = 8", "parallel.dp (2)", "= 16"]),
@@ -157,7 +158,7 @@ def test_file_then_overrides(tmp_path):
 
 @pytest.mark.parametrize("override,changes", [
     ("train.micro_batch=4", False), ("train.grad_accum_steps=2", False), ("train.recompute=true", False),
-    ("run.name=other", False), ("checkpoint.interval_steps=7", False), ("train.log_interval_steps=5", False),
+    ("run.name=other", False), ("checkpoint.interval_steps=7", False), ('checkpoint.checksum="sha256"', False), ("train.log_interval_steps=5", False),
     ("model.hidden_size=128", True), ("optim.lr=1e-3", True), ("data.seed=1", True), ("train.seed=9", True),
     ("model.vocab_size=1024", True), ("data.seq_len=32", True),
 ])
@@ -257,3 +258,10 @@ def test_sequence_parallel_is_refused_with_more_than_one_sequence_per_micro_step
     fixed = [o for o in overrides if "micro_batch=" not in o and "grad_accum" not in o]
     per_micro = 2 if "parallel.pp=2" in overrides else 1
     load_config(None, base + fixed + [f"train.micro_batch={per_micro}", f"train.grad_accum_steps={8 // per_micro}"])
+
+
+def test_the_checksums_a_config_allows_are_those_the_checkpoint_writer_knows():
+    from checkpointing import checksums
+    from contracts.config import CHECKPOINT_CHECKSUMS
+
+    assert set(CHECKPOINT_CHECKSUMS) == set(checksums.ALGORITHMS)

@@ -42,7 +42,7 @@ def test_a_clean_generation_is_start_restore_compile_then_productive_steps():
     _sums_to_wall(g, end - T0)
 
 
-def test_the_loop_work_loop_steps_goes_with_the_step_and_the_ram_tier_saves_are_checkpoint_time():
+def test_the_loop_work_between_steps_goes_with_the_step_and_the_ram_tier_saves_are_checkpoint_time():
     """A rank's step takes 0.8 s in the step and 0.1 s in the loop around it (its events, the commands), and
     the RAM tier's save after each step blocks 0.1 s: nothing is `other`, a retrained step's loop work is
     retrained time, and the RAM saves are the checkpoint's."""
@@ -63,7 +63,7 @@ def test_the_loop_work_loop_steps_goes_with_the_step_and_the_ram_tier_saves_are_
     _sums_to_wall(g, t - T0)
 
 
-def test_data_waits_checkpoint_stalls_validation_and_the_gaps_loop_steps():
+def test_data_waits_checkpoint_stalls_validation_and_the_gaps_between_steps():
     g = Goodput()
     g.resume(T0, ended=False)
     t = _generation(g, T0, 1, 5, step_s=1.0, data_wait_s=0.25)
