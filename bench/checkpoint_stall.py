@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -35,16 +34,6 @@ sys.path.insert(0, str(ROOT))
 BATCH = ["train.global_batch=2", "train.micro_batch=2", "data.seq_len=64", "train.steps=100000"]
 CHECKSUMS = ("sha256", "crc32c")
 TARGETS = {"blocking_over_synchronous": 0.10, "throughput_loss": 0.02}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -139,7 +128,7 @@ def main() -> None:
     interval_s = args.interval_steps * step_s
     per = {}
     print(f"state: {parameter_count(trainer.net):,} parameters, {state_bytes / 1e6:.0f} MB with optimizer state; "
-          f"a step {1000 * step_s:.0f} ms; {_cpu_model()}")
+          f"a step {1000 * step_s:.0f} ms; {results_file.host()['cpu']}")
     print(f"{'checksum':>9} {'blocking':>9} {'sync s':>7} {'ratio':>6} {'CPU s':>6} {'cost s/save':>16} "
           f"{'lost @' + str(args.interval_steps):>16}")
     for c in CHECKSUMS:
@@ -156,9 +145,9 @@ def main() -> None:
     print(f"A/A control (plain − plain): {aa:+.3f} ± {aa_se:.3f} s a block; {len(waited)} saves waited, "
           f"{len(failed)} failed; targets: blocking ≤ {TARGETS['blocking_over_synchronous']:.0%}, "
           f"lost ≤ {TARGETS['throughput_loss']:.0%}")
-    default = "crc32c"
+    default = cfg.checkpoint.checksum             # the config's default
     results_file.write("checkpoint_stall", {
-        "config": "configs/small-20m.toml", "overrides": BATCH, "cpu": _cpu_model(), "state_bytes": state_bytes,
+        "config": "configs/small-20m.toml", "overrides": BATCH, "state_bytes": state_bytes,
         "interval_steps": args.interval_steps, "block_steps": args.block_steps, "quads": args.quads,
         "step_s": step_s, "control_s": aa, "control_s_se": aa_se, "checksums": per, "default_checksum": default,
         # the default checksum's figures, where the table reads them
