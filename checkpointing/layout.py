@@ -9,7 +9,8 @@
     <root>/.spare/shard-…            a retired checkpoint's shards, for the next save to write over
 
 The RAM tier of a run (checkpoint.memory_interval_steps) is a root of the same
-layout on a tmpfs: `memory_root`. Its writer recycles: a checkpoint it retires
+layout on a tmpfs, one per machine: `memory_root`. On several machines each holds a whole
+checkpoint written by its own ranks alone (shard-<local rank>-of-<ranks per machine>). Its writer recycles: a checkpoint it retires
 leaves its shards in `.spare/`, and each rank's next save moves its own shard
 from there into its `.tmp` and writes over it (on a tmpfs a new file's pages
 cost several times the writing itself). A spare is never part of a checkpoint: it is
@@ -54,10 +55,12 @@ def run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def memory_root(run_dir: Path, base: str | Path) -> Path:
+def memory_root(run_dir: Path, base: str | Path, node: int = 0) -> Path:
     """The RAM tier's root for the run in `run_dir`, under the tmpfs `base`: named by the run's id,
-    so another run, or this run directory deleted and made again, never finds its RAM checkpoints."""
-    return Path(base) / f"llm-pretrain-{run_id(run_dir)}"
+    so another run, or this run directory deleted and made again, never finds its RAM checkpoints;
+    and, on a machine other than the run's node 0 (`node`: run.node_rank, the machine's own index),
+    by that index too, so that machines whose tmpfs is one (containers on one host) never share one."""
+    return Path(base) / (f"llm-pretrain-{run_id(run_dir)}" + (f"-node-{node}" if node else ""))
 
 
 def step_name(step: int) -> str:

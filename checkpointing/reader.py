@@ -146,13 +146,15 @@ def find_latest(root: Path, *, before_step: int | None = None, after_step: int |
 
 
 def find_newest(disk: Path, memory: Path | None, *, accept: Callable[[dict[str, Any]], bool] | None = None,
-                on_corrupt: Callable[[Path, list[str]], None] | None = None) -> tuple[Path, dict[str, Any]] | None:
+                on_corrupt: Callable[[Path, list[str]], None] | None = None,
+                at_most: int | None = None) -> tuple[Path, dict[str, Any]] | None:
     """The checkpoint to resume from: the RAM tier's newest (`memory`, a root of the same layout) when
     it is newer than every committed disk checkpoint, verifies, and `accept`s its manifest (the
     caller's check: same config, same layout); else the newest verified one on disk. A torn RAM copy
     is never committed, a corrupt one fails verification (and is set aside), a wiped RAM tier (a
-    reboot) is empty: either way the disk's answer stands."""
-    on_disk = layout.committed_steps(disk)
-    found = find_latest(memory, after_step=on_disk[-1] if on_disk else None, accept=accept,
+    reboot) is empty: either way the disk's answer stands. `at_most`: none after that step is looked at."""
+    before = None if at_most is None else at_most + 1
+    on_disk = [s for s in layout.committed_steps(disk) if before is None or s < before]
+    found = find_latest(memory, before_step=before, after_step=on_disk[-1] if on_disk else None, accept=accept,
                         on_corrupt=on_corrupt) if memory is not None else None
-    return found or find_latest(disk, on_corrupt=on_corrupt)
+    return found or find_latest(disk, before_step=before, on_corrupt=on_corrupt)

@@ -234,6 +234,8 @@ class CheckpointConfig:
     memory_interval_steps: int | str = 0  # also every N steps to RAM (memory_dir): a crash loses at most N steps
                                           # (0 = off; "auto": as interval_steps)
     memory_dir: str = "/dev/shm"   # where the RAM tier lives (a tmpfs); one directory per run under it
+    peer_fetch_timeout_s: float = 300.0  # several machines: one back with an empty RAM tier takes the run's newest
+                                         # RAM step from a peer for at most this long (else all resume from disk)
     checksum: str = "crc32c"       # each disk shard's, in the manifest: "crc32c" (in hardware: a save's CPU ~10x
                                    # less) or "sha256" (names the content); the RAM tier's is always CRC32C
     auto_mtbf_prior_s: float = 86400.0   # "auto": the time between failures assumed before any is seen; observed
@@ -256,6 +258,7 @@ class CheckpointConfig:
         _at_least("checkpoint.auto_min_interval_steps", self.auto_min_interval_steps, 1)
         _at_least("checkpoint.auto_max_interval_steps", self.auto_max_interval_steps, self.auto_min_interval_steps)
         _choice("checkpoint.checksum", self.checksum, CHECKPOINT_CHECKSUMS)
+        _in_range("checkpoint.peer_fetch_timeout_s", self.peer_fetch_timeout_s, 0.0, 1e6)
         if not os.path.isabs(self.memory_dir):
             _fail(f"checkpoint.memory_dir = {self.memory_dir!r} must be an absolute path (a tmpfs such as /dev/shm)")
 
@@ -646,9 +649,14 @@ def _check_cross_section(cfg: Config) -> None:
     if cfg.run.worker_memory_limit_bytes and cfg.checkpoint.memory_interval_steps:
         _fail("checkpoint.memory_interval_steps with run.worker_memory_limit_bytes: the RAM tier's tmpfs pages count "
               "against the ranks' memory limit, whose kills would read as the model's out-of-memory; set one to 0")
-    if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps:
-        _fail("checkpoint.memory_interval_steps: the RAM tier commits on one machine's tmpfs; with run.nodes > 1 "
-              "set it to 0 (disk checkpoints only)")
+    if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps and cfg.script.command:
+        _fail("checkpoint.memory_interval_steps with run.nodes > 1 and script.command: a script's RAM tier "
+              "(llm_pretrain_client) is one machine's; set it to 0 (disk checkpoints only)")
+    if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps and (
+            p.tp > 1 or p.pp > 1 or p.optimizer_shard or p.sp) and t.device != "cpu":
+        _fail("checkpoint.memory_interval_steps with run.nodes > 1 keeps a whole replica on every machine, and "
+              "parallel.tp / pp / optimizer_shard / sp split the state across machines: set it to 0 (disk "
+              "checkpoints only), or train data-parallel")
     if not cfg.script.command and cfg.data.seq_len > m.max_seq_len:     # a script's model is its own
         _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.precision == "bf16" and t.device != "ascend":

@@ -311,6 +311,7 @@ ENV_GENERATION = "LLM_PRETRAIN_GENERATION"       # restart count of this run, 0 
 ENV_RECOVERY = "LLM_PRETRAIN_RECOVERY"           # path of the recovery directive (JSON), when there is one
 ENV_RERUN = "LLM_PRETRAIN_RERUN"                 # path of the rerun directive (JSON) of a generation that reruns
 ENV_NODE = "LLM_PRETRAIN_NODE"                   # the machine's own index (run.node_rank of its daemon)
+ENV_RESUME_STEP = "LLM_PRETRAIN_RESUME_STEP"     # several machines: the step their daemons agreed to resume from
 ENV_DEVICE = "LLM_PRETRAIN_DEVICE"               # the device this rank runs on (of run.devices; the drills' device)
 ENV_MEMORY_LIMIT = "LLM_PRETRAIN_MEMORY_LIMIT"   # bytes: the rank runs in a memory cgroup with this limit
 ENV_STANDBY_FD = "LLM_PRETRAIN_STANDBY_FD"       # a warm standby rank: the pipe its activation arrives on

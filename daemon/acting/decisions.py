@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from typing import Sequence
 
 import tenacity
 
@@ -37,7 +38,8 @@ class Decision:
 
 
 def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config,
-                      base_cfg: Config) -> Decision:
+                      base_cfg: Config, common: Sequence[int] | None = None) -> Decision:
+    """`common`: several machines: the RAM steps every machine left in the run holds (RunFiles.resume_step)."""
     state = ledger.state
     steps = files.committed_steps()                 # one scan of the manifests serves both
     committed = steps[-1] if steps else 0
@@ -48,9 +50,9 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
     _record_decision(ledger, record)                        # on disk before anything is done
-    resume = files.resume_step()                  # what the ranks restore: the RAM tier's where it is newer
+    resume = files.resume_step(common)            # what the ranks restore: the RAM tier's where it is newer
     if isinstance(action, (Rollback, Rerun)):
-        resume = finish_rollback(ledger, files, cause=incident.kind.value, reason=action.reason,
+        resume = finish_rollback(ledger, files, common, cause=incident.kind.value, reason=action.reason,
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
     write_bundle(ledger, files, cfg, record, resume)
@@ -95,17 +97,17 @@ def _history(ledger: Ledger, steps: list[int], memory_steps: list[int] | tuple =
                              script=script, can_skip="skip_data" not in state.script_reports.get("missing", ()))
 
 
-def finish_rollback(ledger: Ledger, files: RunFiles, **fields) -> int:
+def finish_rollback(ledger: Ledger, files: RunFiles, common: Sequence[int] | None = None, **fields) -> int:
     """Carries out the recorded rollback (`state.pending_rollback`): every committed checkpoint after
     its target renamed aside, then the record that it is done. Idempotent: a daemon killed midway
-    runs it again at its start (`fields` then only say so). Returns the step the run resumes from."""
+    runs it again at its start (`fields` then only say so). Returns the step the run resumes from
+    (`common`: several machines' RAM steps, RunFiles.resume_step)."""
     state = ledger.state
-    moved = layout.roll_back(files.ckpt_root, state.pending_rollback)
-    if (memory := files.memory_root()) is not None:       # nor may the ranks resume from a newer RAM copy
-        for step in layout.committed_steps(memory):
-            if step > state.pending_rollback:
-                layout.retire(memory, step)
-    resume, tier = files.resume_point()       # the RAM tier's newest left, where it is newer than the disk's
+    target = state.pending_rollback
+    moved = layout.roll_back(files.ckpt_root, target)
+    files.retire_memory_after(target)           # nor may the ranks resume from a newer RAM copy
+    # the RAM tier's newest left, where it is newer than the disk's (several machines: of those all hold)
+    resume, tier = files.resume_point(None if common is None else [s for s in common if s <= target])
     ledger.note_rollback_done(resume)
     ledger.emit("rollback", level="warning", checkpoint_step=resume, checkpoint_tier=tier, rolled_back_steps=moved,
                 **fields)
@@ -211,6 +213,10 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
                     applied=record.action.to_dict() if record.action else None, own=own.to_dict(),
                     detail="this node's policy decided otherwise than the decider's: the daemons are not deterministic "
                            "(a bug); the decider's decision is applied")
+    if isinstance(record.action, (Rollback, Rerun)):     # this machine's own RAM tier: the decider retired its own
+        files.retire_memory_after(record.action.checkpoint_step)
     new_cfg = cfg if isinstance(record.action, Halt) else with_changes(base_cfg, state.config_changes)
-    write_bundle(ledger, files, cfg, record, int(published["resume_step"]))
-    return Decision(action=record.action, record=record, cfg=new_cfg, resume_step=int(published["resume_step"]))
+    resume = int(published["resume_step"])
+    write_bundle(ledger, files, cfg, record, resume)
+    return Decision(action=record.action, record=record, cfg=new_cfg, resume_step=resume,
+                    resume_tier=files.tier_of(resume))

@@ -220,6 +220,12 @@ class Coordinator:
         with self._lock:
             return self._mirror.get("run")
 
+    def held(self) -> dict[int, Any]:
+        """What each machine said its RAM tier holds (daemon.machines.memory_agreement), by node."""
+        with self._lock:
+            named = {k.split("/", 1)[1]: kv for k, kv in self._mirror.items() if k.startswith("held/")}
+        return {int(n): decode(kv.value) for n, kv in named.items() if n.isdigit()}
+
     def pending_requests(self) -> list[tuple[str, dict]]:
         """Operator requests not taken yet (the decider takes them), oldest first: (key, request)."""
         with self._lock:
@@ -348,6 +354,24 @@ class Coordinator:
             if known is None or known.value != value.encode():
                 self._mirror[f"decision/{number}"] = KeyValue(self._key(f"decision/{number}").encode(), value.encode(),
                                                               self._revision, self._revision)
+
+    def publish_held(self, value: dict) -> None:
+        """What this machine's RAM tier holds (memory_agreement.record), bound to its lease: a lost machine's
+        record goes with it. In the mirror at once."""
+        encoded = json.dumps(value)
+        self.client.put(self._key(f"held/{self.node}"), encoded, lease=self.lease)
+        with self._lock:
+            self._mirror[f"held/{self.node}"] = KeyValue(self._key(f"held/{self.node}").encode(), encoded.encode(),
+                                                         self._revision, self._revision, self.lease)
+
+    def ask_take(self, node: int, request: dict) -> None:
+        """The decider asks node `node` to take a RAM step from a peer (daemon.machines.membership.serve_take)."""
+        self.client.put(self._key(f"take/{node}"), json.dumps(request))
+
+    def asked_to_take(self) -> dict | None:
+        """What the decider last asked this node to take (ask_take), if anything."""
+        value = self._get(f"take/{self.node}")
+        return value if isinstance(value, dict) else None
 
     def finish_run(self, value: dict) -> None:
         self._fenced([op_put(self._key("run"), json.dumps(value))])

@@ -6,7 +6,7 @@ decider alone writes them, for all, after confirming it still decides). Builds o
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from contracts.config import Config
 from daemon.acting import decisions
@@ -30,15 +30,16 @@ class DecisionExchange:
         return self.m.is_leader
 
     def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
-                stopping: Callable[[], bool]) -> decisions.Decision | None:
+                stopping: Callable[[], bool],
+                agreed: Callable[[], Sequence[int] | None] = lambda: None) -> decisions.Decision | None:
         """The decider decides (as on one machine) and publishes; the others apply what it published,
         and one of them decides if the decider is lost meanwhile. None: a stop, or the run's end,
-        came while waiting for the decision."""
+        came while waiting for the decision. `agreed()`: the RAM steps every machine left holds (the decider's)."""
         number = ledger.state.generation
         while True:
             if self.is_leader and self.confirm():      # still decides: its rollback renames are its to do
                 decision = decisions.decide_and_record(incident, ledger=ledger, files=files, cfg=cfg,
-                                                       base_cfg=base_cfg)
+                                                       base_cfg=base_cfg, common=agreed())
                 published = {"record": decision.record.to_dict(), "config_changes": ledger.state.config_changes,
                              "recovery": ledger.state.recovery.to_dict() if ledger.state.recovery else None,
                              "resume_step": decision.resume_step}

@@ -14,6 +14,11 @@ Owns the run's keys and what each means:
     end/<g>           why generation g ends: the first node to know writes it (create-only), every
                       node tears its ranks down when it appears
     decision/<g>      the decider's recovery decision for the incident that ended g: fenced
+    held/<n>          the RAM-tier steps node n holds once its ranks of generation `after` are gone
+                      {after, steps, url, taken[, fetching | failed]}, bound to its lease: the decider
+                      resumes from the newest all members hold (daemon.machines.memory_agreement)
+    take/<n>          the decider asks node n to take RAM step {generation, step, urls} from a peer
+                      (daemon.machines.ram_peers) before the next generation
     requests/<id>     an operator request dropped on any node; the decider takes it (a fenced delete)
     run               how the run ended {code, status, run_id}, by the decider (fenced): the others follow
 

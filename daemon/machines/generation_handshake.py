@@ -25,6 +25,7 @@ from daemon.machines import leadership
 from daemon.machines.etcd_client import EtcdError
 from daemon.machines.etcd_keys import NotLeaderError
 from daemon.machines.membership import POLL_S, BecameLeader, Membership
+from daemon.machines.ram_sharing import RamSharing
 from daemon.processes.run_files import RunFiles
 from daemon.records.ledger import Ledger
 
@@ -32,8 +33,9 @@ from daemon.records.ledger import Ledger
 class GenerationHandshake:
     """Opening and ending generations with the other nodes."""
 
-    def __init__(self, membership: Membership):
+    def __init__(self, membership: Membership, ram: RamSharing):
         self.m, self.cfg, self.clock = membership, membership.cfg, membership.clock
+        self.ram = ram
         self.coord = membership.coord
         self.members: tuple[int, ...] = ()
         self.led = 0                  # the last generation this daemon published as the decider
@@ -84,7 +86,9 @@ class GenerationHandshake:
         cfg = self._shaped(base, ledger.state.config_changes, members, self.coord.addr)
         if not self._confirmed(ledger):          # the shared files are the decider's to write
             return BecameLeader()
-        resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun, ledger.state.cadence)
+        common = self.ram.agreed(ledger, files, stopping, members)     # the RAM steps they all hold
+        resume = files.prepare_generation(cfg, ledger.state.recovery, ledger.state.rerun, ledger.state.cadence,
+                                          common)
         stored = self.coord.generation()
         number = max(ledger.state.generation, stored["number"] if stored else 0) + 1
         written = self.m.retrying(lambda: self.coord.publish_generation(

@@ -51,6 +51,7 @@ class Membership:
         self._leaderless_since: float | None = None
         self._waiting_since: float | None = None     # the decider began to wait for missing nodes
         self.role = leadership.Role.FOLLOWER         # as the leadership core last saw this daemon
+        self.while_waiting: Callable[[Ledger], None] = lambda ledger: None   # a follower's chores as it waits
 
     @property
     def is_leader(self) -> bool:
@@ -67,6 +68,7 @@ class Membership:
             self.run_id = layout.run_id(files.run_dir)
         except OSError as e:
             raise PeersUnavailableError(f"run.dir {files.run_dir}: {e.strerror or e}", ExitCode.CANT_CREATE) from e
+
         if self.member is not None:
             if (said := self.member.start()) is not None:
                 ledger.emit("etcd_member", node=self.coord.node, detail=said)
@@ -209,6 +211,8 @@ class Membership:
             self.check_coordinator(now)
             if follower and self._follower_elected(ledger, now):
                 return BecameLeader()
+            if follower:
+                self.while_waiting(ledger)      # (daemon.machines.ram_sharing: a step to take from a peer)
             if said is None or now - said > 60:
                 ledger.emit(note, level="warning" if said else "info", **fields())
                 said = now

@@ -1,10 +1,11 @@
 """A node of a multi-node run: the other nodes' daemons through etcd, as the supervisor's Peers.
 
-Composes the three parts of being one of several machines: membership (daemon.machines.membership: joining,
+Composes the parts of being one of several machines: membership (daemon.machines.membership: joining,
 live nodes, the shared run directory, etcd's silence, the run's end), the generation handshake
 (daemon.machines.generation_handshake: open a generation, hear that it ends elsewhere, say why it ended
-here) and the decision exchange (daemon.machines.decision_exchange: the decider's recovery decisions,
-operator requests, the ranks' commands). The etcd keys themselves are daemon.machines.etcd_keys'.
+here), the decision exchange (daemon.machines.decision_exchange: the decider's recovery decisions,
+operator requests, the ranks' commands) and the RAM tier among the machines (daemon.machines.ram_sharing: what
+each holds, the step agreed, a step taken from a peer). The etcd keys themselves are daemon.machines.etcd_keys'.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from daemon.judging.requests import Request
 from daemon.machines.decision_exchange import DecisionExchange
 from daemon.machines.generation_handshake import GenerationHandshake
 from daemon.machines.membership import Membership
+from daemon.machines.ram_sharing import RamSharing
 from daemon.processes.run_files import RunFiles
 from daemon.records.ledger import Ledger
 
@@ -29,7 +31,8 @@ class Nodes:
 
     def __init__(self, cfg: Config, *, clock: Callable[[], float] = time.monotonic):
         self.membership = Membership(cfg, clock=clock)
-        self.generations = GenerationHandshake(self.membership)
+        self.ram = RamSharing(self.membership)
+        self.generations = GenerationHandshake(self.membership, self.ram)
         self.decisions = DecisionExchange(self.membership)
 
     @property
@@ -39,8 +42,10 @@ class Nodes:
     # membership
     def start(self, ledger: Ledger, files: RunFiles) -> None:
         self.membership.start(ledger, files)
+        self.ram.start(files)
 
     def close(self) -> None:
+        self.ram.close()
         self.membership.close()
 
     def cut_off(self, now: float) -> bool:
@@ -56,9 +61,16 @@ class Nodes:
     def open(self, ledger: Ledger, files: RunFiles, base: Config,
              stopping: Callable[[], bool]) -> Opened | watch.Failed | None:
         files.fence_generation = 0
+        self.ram.say_held(ledger, files)          # this node's ranks are gone: what its RAM tier holds
         opened = self.generations.open(ledger, files, base, stopping)
         if isinstance(opened, Opened):
             files.fence_generation = opened.number       # its commands are for its ranks only
+            # with a RAM tier on every machine, every rank resumes from the step the decider agreed; what this
+            # machine's RAM holds after it is another history's (trained before a rollback, or while the run went
+            # on without this machine) and would be taken for this one's: it goes
+            files.agreed_step = opened.resume_step if files.memory_tier else None
+            if files.memory_tier:
+                files.retire_memory_after(opened.resume_step)
         return opened
 
     def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:
@@ -73,8 +85,10 @@ class Nodes:
     # the decision exchange
     def recover(self, incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config, base_cfg: Config,
                 stopping: Callable[[], bool]) -> decisions.Decision | None:
+        self.ram.say_held(ledger, files)          # this node's ranks are gone: what its RAM tier holds
         return self.decisions.recover(incident, ledger=ledger, files=files, cfg=cfg, base_cfg=base_cfg,
-                                      stopping=stopping)
+                                      stopping=stopping,
+                                      agreed=lambda: self.ram.agreed(ledger, files, stopping))
 
     def requests(self) -> list[Request]:
         return self.decisions.requests()

@@ -25,6 +25,7 @@ from contracts.protocol import (
     ENV_NODE,
     ENV_RECOVERY,
     ENV_RERUN,
+    ENV_RESUME_STEP,
     Command,
     RecoveryDirective,
     RerunDirective,
@@ -59,7 +60,9 @@ class RunFiles:
         local = cfg.parallel.world_size // cfg.run.nodes
         self.local_ranks = list(range(cfg.run.node_rank * local, (cfg.run.node_rank + 1) * local))
         self.node = cfg.run.node_rank          # this machine's own index (a generation's config numbers its slot)
-        self.single_machine = cfg.run.nodes == 1   # the RAM tier is resumed from on one machine only
+        self.single_machine = cfg.run.nodes == 1   # several: the RAM step is agreed (daemon.machines.memory_agreement)
+        self.agreed_step: int | None = None   # several machines: the step the generation's ranks resume from
+        self.memory_tier = bool(cfg.checkpoint.memory_interval_steps)
         self._seq = 0
         self.fence_generation = 0       # several machines: commands are stamped with their generation
         self._memory_root: Path | None = None
@@ -69,7 +72,7 @@ class RunFiles:
         directory does not exist."""
         if self._memory_root is None:      # the run's id, read once (the daemon asks at every RAM commit)
             try:
-                self._memory_root = layout.memory_root(self.run_dir, self.memory_dir)
+                self._memory_root = layout.memory_root(self.run_dir, self.memory_dir, self.node)
             except OSError:
                 return None
         return self._memory_root
@@ -120,11 +123,12 @@ class RunFiles:
                 found.append({"fault": "faulty-rank", "node": int(node), "device": int(device)})
         return found
 
-    def resume_step(self) -> int:
+    def resume_step(self, common: Sequence[int] | None = None) -> int:
         """The step the ranks will resume from: the RAM tier's newest committed checkpoint where it is newer than
-        the disk's (one machine: the ranks take it when it verifies, checkpointing.reader.find_newest), else the
-        disk's newest. What restart, rollback and generation events and status report."""
-        return self.resume_point()[0]
+        the disk's (one machine: the ranks take it when it verifies, checkpointing.reader.find_newest; several:
+        the newest of `common`, the RAM steps every machine of the generation holds, which the ranks are told),
+        else the disk's newest. What restart, rollback and generation events and status report."""
+        return self.resume_point(common)[0]
 
     def is_memory_path(self, path: str) -> bool:
         """`path` (a rank's `restored` event's) lies in this run's RAM tier."""
@@ -135,23 +139,37 @@ class RunFiles:
         """Where the ranks find `step` as the newest they resume from: "ram", "disk" or "none" (step 0: from scratch)."""
         if not step:
             return "none"
-        return "ram" if self.single_machine and step > self.committed_step() and step in self.memory_steps() else "disk"
+        newer = step > self.committed_step()      # several machines: only an agreed RAM step is newer than the disk
+        return "ram" if newer and (not self.single_machine or step in self.memory_steps()) else "disk"
 
-    def resume_point(self) -> tuple[int, str]:
-        """The step the ranks will resume from and its tier: "ram" or "disk" ("none": from scratch)."""
+    def resume_point(self, common: Sequence[int] | None = None) -> tuple[int, str]:
+        """The step the ranks will resume from and its tier: "ram" or "disk" ("none": from scratch). On several
+        machines the RAM tier counts through `common` alone (see resume_step)."""
         disk = self.committed_step()
-        memory = max(self.memory_steps(), default=0) if self.single_machine else 0
+        memory = max(self.memory_steps() if self.single_machine else (common or ()), default=0)
         if memory > disk:
             return memory, "ram"
         return disk, "disk" if disk else "none"
 
+    def retire_memory_after(self, step: int) -> list[int]:
+        """A rollback's or rerun's: this machine's RAM checkpoints after `step`, retired (none may be resumed from,
+        nor stand in for the steps trained again). Returns them."""
+        memory, retired = self.memory_root(), []
+        if memory is not None:
+            for newer in layout.committed_steps(memory):
+                if newer > step:
+                    layout.retire(memory, newer)
+                    retired.append(newer)
+        return retired
+
     # A generation's files ----------------------------------------------------------------------
     def prepare_generation(self, cfg: Config, recovery: RecoveryDirective | None,
-                           rerun: dict | None = None, cadence: dict | None = None) -> int:
+                           rerun: dict | None = None, cadence: dict | None = None,
+                           common: Sequence[int] | None = None) -> int:
         """The resolved config, the recovery directive, the rerun directive of a generation that reruns an
-        incident's steps and a fresh commands file, ready for the ranks; returns the step they resume from.
-        The commands file starts with the checkpoint intervals in force when they are "auto" (`cadence`:
-        state.json's, daemon.judging.cadence): the ranks take them after their first step."""
+        incident's steps and a fresh commands file, ready for the ranks; returns the step they resume from
+        (`common`: see resume_step). The commands file starts with the checkpoint intervals in force when they
+        are "auto" (`cadence`: state.json's, daemon.judging.cadence): the ranks take them after their first step."""
         run_dir, log_dir = ((self.run_dir.resolve(), self.log_dir.resolve()) if cfg.script.command   # another cwd
                             else (self.run_dir, self.log_dir))
         resolved = with_changes(cfg, {"run.dir": str(run_dir), "run.log_dir": str(log_dir)})
@@ -170,7 +188,7 @@ class RunFiles:
         self.commands.write_text("")               # commands are per generation
         if (intervals := interval_args(cfg.checkpoint, cadence)):
             self.append_command("interval", intervals)
-        return self.resume_step()
+        return self.resume_step(common)
 
     def append_command(self, name: str, args: dict) -> int:
         """One command line for the ranks, durable before they can read it; returns its seq."""
@@ -190,6 +208,8 @@ class RunFiles:
             base[ENV_RECOVERY] = str(self.recovery)
         if self.rerun.exists():
             base[ENV_RERUN] = str(self.rerun)
+        if self.agreed_step is not None:          # several machines: every rank resumes from the same step
+            base[ENV_RESUME_STEP] = str(self.agreed_step)
         if cfg.train.device == "ascend":           # CANN's logs beside the rank's: HCCL's verdicts are read there
             base.setdefault("ASCEND_PROCESS_LOG_PATH", str(rank_log.plog_dir(self.log_dir, rank)))
         if cfg.run.worker_memory_limit_bytes:

@@ -68,12 +68,15 @@ class TrainerCheckpoints:
     def __init__(self, root: Path, cfg: Config, *, params: Sequence[ms.Parameter],
                  run_state: Callable[[], dict[str, Any]], load_run_state: Callable[[dict[str, Any]], None],
                  rank: int, world: int, generation: int, emit: Callable[[CheckpointEvent], None],
-                 parallelism: parallel.Parallelism, retain: bool = False, supervised: bool = False):
+                 parallelism: parallel.Parallelism, retain: bool = False, supervised: bool = False,
+                 local_world: int | None = None, node: int = 0):
         """`params`: every Parameter to save and restore; `run_state()` returns the trainer's
         non-tensor state (its "step" is the step saved) and `load_run_state` takes it back.
         `parallelism`: the generation's layout (sliced saves under semi-auto). `retain`: apply checkpoint.keep_last / keep_every_steps after each commit (only rank 0
         commits) — for a rank running alone; under the supervisor, retention is the supervisor's. `supervised`: under
-        the daemon, which retires the RAM tier's checkpoints too (alone, its writer keeps the newest MEMORY_KEEP)."""
+        the daemon, which retires the RAM tier's checkpoints too (alone, its writer keeps the newest MEMORY_KEEP).
+        `local_world`: the ranks on this machine (None: all of them), `node` its index (run.node_rank): the RAM
+        tier is each machine's own, a whole checkpoint its own ranks write (each a share) and its first commits."""
         self.cfg, self.root = cfg, Path(root)
         self.rank, self.world, self.generation = rank, world, generation
         self._run_state, self._load_run_state = run_state, load_run_state
@@ -84,17 +87,23 @@ class TrainerCheckpoints:
         sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
         # whole tensors: each rank writes its share of them; slices: what it holds (`held`, once compiled)
         self.plan = {} if self.sliced else partition.assign(sizes, self.world)
+        # the RAM tier's writers: this machine's ranks (rank // local_world its machine's slot, in order)
+        self.local_world = local_world or self.world
+        self.local_rank = self.rank % self.local_world
+        self.node = node
+        self.memory_plan = (self.plan if self.sliced or self.local_world == self.world
+                            else partition.assign(sizes, self.local_world))
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
                                   on_commit=self._retire if retain else None, checksum=cfg.checkpoint.checksum)
         # the RAM tier: the same checkpoints on a tmpfs, between disk saves; alone the newest two are kept, under the
         # daemon it retires them (daemon.processes.run_files.retire_memory: it keeps those an incident may need)
-        self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir)
+        self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir, node)
                             if cfg.checkpoint.memory_interval_steps else None)
         # memory tier or not -> (its writer's staging buffers by name, [(parameter, its buffer)])
         self._copies: dict[bool, tuple[dict, list]] = {}
         # in a process of its own: as a thread, its Python held the GIL the step needed (checkpointing.writer_process)
-        self.memory_writer = (ProcessShardWriter(self.memory_root, rank=self.rank, world=self.world,
+        self.memory_writer = (ProcessShardWriter(self.memory_root, rank=self.local_rank, world=self.local_world,
                                           emit=self._emit_memory, keep_last=None if supervised else MEMORY_KEEP,
                                           indent_manifest=False,
                                           checksum=checksums.CRC32C, recycle=True,
@@ -153,14 +162,16 @@ class TrainerCheckpoints:
             return
         started = time.monotonic()
         if memory not in self._copies:                 # this rank's parameters, each with its buffer
+            plan, me = (self.memory_plan, self.local_rank) if memory else (self.plan, self.rank)
             owned = ([(p, f"rank{self.rank}/{p.name}") for p in held(self.params)] if self.sliced else
-                     [(p, p.name) for p in self.params if self.plan[p.name] == self.rank])
+                     [(p, p.name) for p in self.params if plan[p.name] == me])
             buffers = writer.staging({name: p.asnumpy() for p, name in owned})   # semi-auto: this rank's slices
             self._copies[memory] = (buffers, [(p, buffers[name]) for p, name in owned])
         mine, copies = self._copies[memory]
         for p, buffer in copies:
             np.copyto(buffer, self._host_value(p))
-        writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if self.rank == 0 else None,
+        commits = (self.local_rank if memory else self.rank) == 0
+        writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if commits else None,
                     versions=self._versions)
         if not memory:
             self._emit("staged", step=step, seconds=time.monotonic() - started)
@@ -218,32 +229,45 @@ class TrainerCheckpoints:
         return self.writer.last_error is None
 
     def drop_memory_tier(self) -> None:
-        """The run ended with its final checkpoint on disk: the RAM tier only holds memory now (rank 0)."""
-        if self.memory_root is not None and self.rank == 0:
+        """The run ended with its final checkpoint on disk: the RAM tier only holds memory now (each machine's first
+        rank)."""
+        if self.memory_root is not None and self.local_rank == 0:
             if self.memory_writer is not None:
                 self.memory_writer.close()
             shutil.rmtree(self.memory_root, ignore_errors=True)
 
     # Restoring ---------------------------------------------------------------
     def restore_latest(self, *, allow_config_change: bool = False,
-                       before_slices: Callable[[], None] | None = None) -> dict[str, Any] | None:
+                       before_slices: Callable[[], None] | None = None,
+                       agreed_step: int | None = None) -> dict[str, Any] | None:
         """Loads the newest verified checkpoint into the parameters and (load_run_state) the trainer;
         returns its run state, or None if there is none. `before_slices` runs before a sliced
-        checkpoint loads (it compiles the step, which slices the parameters)."""
+        checkpoint loads (it compiles the step, which slices the parameters). `agreed_step`: the step the
+        run's machines agreed to resume from (ENV_RESUME_STEP): that one, from this machine's RAM tier or the
+        disk; none newer is looked at, and where it cannot be loaded here (a RAM copy that fails its checksum,
+        set aside) CheckpointError, for no machine may resume from another step than the others."""
         if self.rank == 0:
             for name in layout.remove_temporaries(self.root):
                 self._emit("removed", step=layout.parse_step(name.removesuffix(".tmp")) or 0,
                            detail=f"removed {name}, left by an interrupted save")
-            if self.memory_root is not None:
-                layout.remove_temporaries(self.memory_root)
+        if self.local_rank == 0 and self.memory_root is not None:
+            layout.remove_temporaries(self.memory_root)
 
         def corrupt(path: Path, problems: list[str]) -> None:
             self._emit("corrupt", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
 
         started = time.monotonic()
-        found = reader.find_newest(self.root, self.memory_root, on_corrupt=corrupt, accept=lambda m: (
+        found = reader.find_newest(self.root, self.memory_root, on_corrupt=corrupt, at_most=agreed_step,
+                                   accept=lambda m: (
             m["run_state"].get("config_hash") == config_hash(self.cfg)
             and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))
+        got = found[1]["run_state"]["step"] if found else 0
+        if agreed_step is not None and got != agreed_step:
+            raise checkpointing.CheckpointError(
+                f"the run's machines agreed to resume from step {agreed_step}, and this machine (node {self.node}) "
+                f"cannot load it: " + (f"its newest is step {got}" if found else "it finds no checkpoint")
+                + f" (a RAM copy that failed its checksum is set aside as step-N.corrupt under {self.memory_root}; "
+                "the daemons agree on another step next)")
         if found is None:
             return None
         path, manifest = found

@@ -31,8 +31,10 @@ from contracts.protocol import (
     ENV_EVENT_SOCKET,
     ENV_GENERATION,
     ENV_PHASE_BOARD,
+    ENV_NODE,
     ENV_RECOVERY,
     ENV_RERUN,
+    ENV_RESUME_STEP,
     DataFaultEvent,
     EvalEvent,
     ExitEvent,
@@ -326,9 +328,12 @@ class RankRun:
                                        run_state=trainer.run_state, load_run_state=trainer.load_run_state,
                                        rank=rank_info.rank, world=rank_info.world_size, generation=self.generation,
                                        emit=self.sink.emit, parallelism=rank_info.parallelism, retain=retain,
-                                       supervised=bool(env.get(ENV_EVENT_SOCKET)))
+                                       supervised=bool(env.get(ENV_EVENT_SOCKET)),
+                                       local_world=rank_info.local_world_size, node=int(env.get(ENV_NODE, "0")))
+        agreed = env.get(ENV_RESUME_STEP)         # several machines: the step their daemons agreed on
         restored = self.ckpt.restore_latest(allow_config_change=allow_config_change,
-                                            before_slices=trainer.compile_step)
+                                            before_slices=trainer.compile_step,
+                                            agreed_step=int(agreed) if agreed else None)
         if restored is None and cfg.model.init_from:
             count = trainer.init_from_hf(cfg.model.init_from.removeprefix("hf:"))
             print(f"llm-pretrain: initialized {count} parameters from {cfg.model.init_from}", file=sys.stderr,
