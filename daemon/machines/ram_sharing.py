@@ -92,7 +92,9 @@ class RamSharing:
                     self._ask_take(node, {"generation": number, "step": got.take, "urls": list(got.sources)})
             deadline = began + self.cfg.run.kill_grace_s + self.coord.ttl_s + (
                 self.cfg.checkpoint.peer_fetch_timeout_s if got.fetching or asked else 0.0)
-            if stopping() or self.clock() >= deadline:
+            if stopping():                              # the run stops: no generation follows
+                return got.steps if got.heard else ()
+            if self.clock() >= deadline:
                 missing = got.unheard or got.lacking
                 ledger.emit("memory_steps_unheard", level="warning", nodes=list(missing), detail=(
                     f"nodes {list(missing)} did not say which RAM-tier checkpoints they hold" if got.unheard else

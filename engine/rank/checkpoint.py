@@ -257,7 +257,10 @@ class TrainerCheckpoints:
             self._emit("corrupt", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
 
         started = time.monotonic()
-        found = reader.find_newest(self.root, self.memory_root, on_corrupt=corrupt, at_most=agreed_step,
+        # several machines' RAM tiers may hold different newest steps: one is resumed from only where the daemons
+        # agreed on it (without them, as under msrun alone, every machine resumes from the disk)
+        memory = self.memory_root if agreed_step is not None or self.local_world == self.world else None
+        found = reader.find_newest(self.root, memory, on_corrupt=corrupt, at_most=agreed_step,
                                    accept=lambda m: (
             m["run_state"].get("config_hash") == config_hash(self.cfg)
             and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))

@@ -191,6 +191,44 @@ def test_a_shard_loads_with_mindspores_own_loader(mindspore_cpu, cli, quiet_env,
     assert manifest["run_state"]["data_cursor"] == 24 and manifest["run_state"]["step"] == 3
 
 
+def test_a_machine_of_several_keeps_a_whole_ram_checkpoint_and_resumes_from_it_only_at_the_agreed_step(
+        make_trainer, tmp_path):
+    """Issue 50, item 1: each machine's RAM tier is a whole checkpoint its own ranks write (here node 1 of two,
+    one rank each: its one rank writes all of it and commits); a rank resumes from it only at the step its
+    machines' daemons agreed on, exactly that one (without an agreement, as under msrun alone: the disk)."""
+    import checkpointing
+    from engine.rank.checkpoint import TrainerCheckpoints
+
+    root, shm, events = tmp_path / "checkpoints", tmp_path / "shm", []
+    sets = ("checkpoint.memory_interval_steps=1", f'checkpoint.memory_dir="{shm}"')
+
+    def checkpoints(trainer, **where):
+        return TrainerCheckpoints(root, trainer.cfg, params=trainer.state_params(), run_state=trainer.run_state,
+                                  load_run_state=trainer.load_run_state, generation=0, emit=events.append,
+                                  parallelism=trainer.parallelism, supervised=True, **where)
+
+    a = make_trainer(*sets)
+    a.train_step()
+    on_disk = checkpoints(a, rank=0, world=1)
+    on_disk.save({"loss": 1.0})
+    assert on_disk.wait() and layout.committed_steps(root) == [1]
+    a.train_step()
+    a.train_step()
+    node1 = checkpoints(a, rank=1, world=2, local_world=1, node=1)
+    node1.save({"loss": 1.0}, memory=True)
+    assert node1.wait()
+    memory = layout.memory_root(tmp_path, shm, 1)
+    assert layout.committed_steps(memory) == [3] and not layout.committed_steps(layout.memory_root(tmp_path, shm))
+    manifest = reader.read_manifest(layout.step_dir(memory, 3))
+    assert [sh["file"] for sh in manifest["shards"]] == [layout.shard_name(0, 1)]     # the machine's whole state
+    b = make_trainer(*sets)
+    restorer = checkpoints(b, rank=1, world=2, local_world=1, node=1)
+    assert restorer.restore_latest()["step"] == 1                 # no agreement: the disk's
+    assert restorer.restore_latest(agreed_step=3)["step"] == 3 and b.params_sha256() == a.params_sha256()
+    with pytest.raises(checkpointing.CheckpointError, match="agreed to resume from step 2.*its newest is step 1"):
+        restorer.restore_latest(agreed_step=2)
+
+
 def test_the_trainers_state_round_trips_through_a_checkpoint_and_retention_is_opt_in(make_trainer, tmp_path):
     """In process: TrainerCheckpoints saves what Trainer.run_state gives it, under the manifest's
     long-standing keys, and load_run_state takes it back; retention only when asked (rank 0 alone)."""
