@@ -237,6 +237,23 @@ class TrainerCheckpoints:
             shutil.rmtree(self.memory_root, ignore_errors=True)
 
     # Restoring ---------------------------------------------------------------
+    def _find(self, corrupt: Callable[[Path, list[str]], None], agreed_step: int | None):
+        """The checkpoint to restore (restore_latest): the newest verified one, or exactly `agreed_step`."""
+        # several machines' RAM tiers may hold different newest steps: one is resumed from only where the daemons
+        # agreed on it (without them, as under msrun alone, every machine resumes from the disk)
+        memory = self.memory_root if agreed_step is not None or self.local_world == self.world else None
+        found = reader.find_newest(self.root, memory, on_corrupt=corrupt, at_most=agreed_step, accept=lambda m: (
+            m["run_state"].get("config_hash") == config_hash(self.cfg)
+            and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))
+        got = found[1]["run_state"]["step"] if found else 0
+        if agreed_step is not None and got != agreed_step:
+            raise checkpointing.CheckpointError(
+                f"the run's machines agreed to resume from step {agreed_step}, and this machine (node {self.node}) "
+                f"cannot load it: " + (f"its newest is step {got}" if found else "it finds no checkpoint")
+                + f" (a RAM copy that failed its checksum is set aside as step-N.corrupt under {self.memory_root}; "
+                "the daemons agree on another step next)")
+        return found
+
     def restore_latest(self, *, allow_config_change: bool = False,
                        before_slices: Callable[[], None] | None = None,
                        agreed_step: int | None = None) -> dict[str, Any] | None:
@@ -257,20 +274,7 @@ class TrainerCheckpoints:
             self._emit("corrupt", step=layout.parse_step(path.name) or 0, detail="; ".join(problems))
 
         started = time.monotonic()
-        # several machines' RAM tiers may hold different newest steps: one is resumed from only where the daemons
-        # agreed on it (without them, as under msrun alone, every machine resumes from the disk)
-        memory = self.memory_root if agreed_step is not None or self.local_world == self.world else None
-        found = reader.find_newest(self.root, memory, on_corrupt=corrupt, at_most=agreed_step,
-                                   accept=lambda m: (
-            m["run_state"].get("config_hash") == config_hash(self.cfg)
-            and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))
-        got = found[1]["run_state"]["step"] if found else 0
-        if agreed_step is not None and got != agreed_step:
-            raise checkpointing.CheckpointError(
-                f"the run's machines agreed to resume from step {agreed_step}, and this machine (node {self.node}) "
-                f"cannot load it: " + (f"its newest is step {got}" if found else "it finds no checkpoint")
-                + f" (a RAM copy that failed its checksum is set aside as step-N.corrupt under {self.memory_root}; "
-                "the daemons agree on another step next)")
+        found = self._find(corrupt, agreed_step)
         if found is None:
             return None
         path, manifest = found
