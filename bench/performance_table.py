@@ -268,7 +268,8 @@ def render(results: Path = RESULTS) -> str:
     if "vs_pytorch" in docs:
         doc = docs["vs_pytorch"]
         rounds = max(m.get("rounds", 1) for r in doc["results"].values() for m in r["summary"].values())
-        parts += [f"Against PyTorch (`bench/vs_pytorch.py --recompute`): wall-clock tokens/s, the median of "
+        flag = " --recompute" if any(r.get("recompute") for r in doc["results"].values()) else ""
+        parts += [f"Against PyTorch (`bench/vs_pytorch.py{flag}`): wall-clock tokens/s, the median of "
                   f"{rounds} interleaved rounds with their range; each implementation in its own process.", ""]
         parts += vs_pytorch(doc) + [""]
     if "dp_scaling" in docs:

@@ -6,6 +6,8 @@ Three implementations of one LLaMA shape, each in its own process, interleaved
 - `project`: this project's compiled step (engine.rank.trainer.Trainer: loss scaling,
   finite check, global-norm clipping, AdamW, the events' host values), fed by its
   own input pipeline;
+- `project-avx512` (on a CPU with AVX-512 only): the same, its fused kernels built for AVX-512
+  (`LLM_PRETRAIN_KERNEL_ISA=avx512`; the default builds them for AVX2): what 16 lanes change, side by side;
 - `mindspore`: the same network (engine.model.causal_lm.CausalLM) built from MindSpore's stock
   ops (`train.fused_kernels = false`: no C++ kernels of this project's) under
   `nn.TrainOneStepCell` and `nn.AdamWeightDecay`, random token batches;
@@ -43,7 +45,7 @@ CASES = {  # config, warm-up steps, timed steps, rounds by default
     "tiny": ("configs/tiny.toml", 20, 100, 5),
     "small-20m": ("configs/small-20m.toml", 3, 8, 5),
 }
-IMPLS = ("project", "mindspore", "torch", "torch.compile")
+IMPLS = ("project", "project-avx512", "mindspore", "torch", "torch.compile")
 
 
 def _config(config: str, steps: int, recompute: bool):
@@ -154,7 +156,9 @@ def run_torch(cfg, warmup: int, steps: int, compiled: bool = False) -> dict:
 
 def child(impl: str, config: str, warmup: int, steps: int, recompute: bool) -> dict:
     cfg = _config(config, warmup + steps + 1, recompute)
-    run = {"project": run_project, "mindspore": run_mindspore, "torch": run_torch,
+    if impl == "project-avx512":          # the same step, its fused kernels built for AVX-512 (the A/B)
+        os.environ["LLM_PRETRAIN_KERNEL_ISA"] = "avx512"
+    run = {"project": run_project, "project-avx512": run_project, "mindspore": run_mindspore, "torch": run_torch,
            "torch.compile": lambda *a: run_torch(*a, compiled=True)}[impl]
     out = run(cfg, warmup, steps)
     tokens = cfg.train.global_batch * cfg.data.seq_len
@@ -196,9 +200,14 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.config, args.warmup, args.steps, args.recompute)))
         return
-    impls = IMPLS if _torch_available() else IMPLS[:2]
+    impls = IMPLS if _torch_available() else IMPLS[:3]
     if len(impls) < len(IMPLS):
         print("torch or transformers is not installed (pip install -e '.[interop]'): no PyTorch column")
+    sys.path.insert(0, str(ROOT))
+    from engine.model.fused_cpu import isa_flags
+
+    if isa_flags(widest=True) != ("-mavx512f",):     # no AVX-512 here: nothing to compare
+        impls = tuple(i for i in impls if i != "project-avx512")
     cases = [(name, *CASES[name], False) for name in CASES if not args.only or name == args.only]
     if args.recompute and args.only in (None, "small-20m"):
         cases.append(("small-20m recompute", *CASES["small-20m"], True))

@@ -31,20 +31,32 @@ FLAGS = ("-O3", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-pthread
 COMPILER = "g++"            # or $CXX
 
 
-def isa_flags(cpuinfo: Path = Path("/proc/cpuinfo"), machine: str | None = None) -> tuple[str, ...]:
-    """-mavx2 on an x86-64 CPU that has AVX2 (the kernels' loops run ~2x faster in 8 lanes than in
-    SSE2's 4), else nothing: the baseline ISA. Not -march=native: the library's cache key names its
-    flags, so machines sharing a cache directory each get a library their CPU runs. No FMA (the
-    build has -ffp-contract=off): the AVX2 library gives the baseline's bits exactly."""
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"), machine: str | None = None) -> set[str]:
+    """The ISA extensions of this x86-64 CPU (`/proc/cpuinfo`'s flags); none elsewhere or unreadable."""
     import platform
 
     if (machine or platform.machine()) not in ("x86_64", "AMD64"):
-        return ()
+        return set()
     try:
-        flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
-                      if line.startswith("flags")), [])
+        return set(next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                         if line.startswith("flags")), []))
     except OSError:
-        return ()
+        return set()
+
+
+def isa_flags(cpuinfo: Path = Path("/proc/cpuinfo"), machine: str | None = None, *,
+              widest: bool = False) -> tuple[str, ...]:
+    """The ISA the kernels are built for: -mavx2 on an x86-64 CPU that has AVX2 (8 lanes: ~2x SSE2's 4), else
+    nothing: the baseline ISA. `widest`: -mavx512f (16 lanes) where the CPU has AVX-512 — not the default: the
+    kernels alone ran 10-25 % faster in it, the whole step +11 % in one sitting and -16 % in another on tiny
+    (bench/vs_pytorch.py's A/B, an Intel Xeon VM): no gain this machine's noise lets one claim. Not
+    -march=native: the library's cache key
+    names its flags, so machines sharing a cache directory each get a library their CPU runs. No FMA (the build
+    has -ffp-contract=off) and the reductions add eight lanes in a fixed order whatever the width: every
+    library gives the baseline's bits exactly."""
+    flags = cpu_flags(cpuinfo, machine)
+    if widest and "avx512f" in flags:
+        return ("-mavx512f",)
     return ("-mavx2",) if "avx2" in flags else ()
 
 _threads = 1
@@ -108,16 +120,34 @@ def build(out_dir: Path, *, compiler: str = COMPILER, source: Path = SOURCE,
     return lib
 
 
+ENV_ISA = "LLM_PRETRAIN_KERNEL_ISA"     # "" (isa_flags()), "avx512" (the widest), "avx2" or "baseline"
+
+
+def chosen_isa(env=os.environ) -> tuple[str, ...] | None:
+    """The ISA flags $LLM_PRETRAIN_KERNEL_ISA asks for; None: the default (isa_flags())."""
+    name = env.get(ENV_ISA, "")
+    choices = {"avx512": isa_flags(widest=True), "avx2": isa_flags(), "baseline": ()}
+    if name in ("", "default"):
+        return None
+    if name not in choices:
+        raise BuildError(f"${ENV_ISA} = {name!r}: it must be one of default, {', '.join(choices)}")
+    if name == "avx512" and choices[name] != ("-mavx512f",) or name == "avx2" and not choices[name]:
+        raise BuildError(f"${ENV_ISA} = {name!r}: this CPU has no {name.upper()}")
+    return choices[name]
+
+
 def library(env=os.environ) -> Path | None:
     """The built library, or None (said once on stderr) where it cannot be built."""
     global _built
     if _built is None:
         compiler = env.get("CXX") or COMPILER
         try:
+            isa = chosen_isa(env)
             try:
-                lib = build(cache_dir(env), compiler=compiler)
+                lib = build(cache_dir(env), compiler=compiler, isa=isa)
             except UnwritableError:
-                lib = build(Path(tempfile.gettempdir()) / f"llm-pretrain-kernels-{os.getuid()}", compiler=compiler)
+                lib = build(Path(tempfile.gettempdir()) / f"llm-pretrain-kernels-{os.getuid()}", compiler=compiler,
+                            isa=isa)
             ctypes.CDLL(str(lib)).LlmPretrainSetThreads(_threads)
             _built = (lib,)
         except BuildError as e:

@@ -4,6 +4,7 @@ count; a NaN reaches the output; the build is cached by content and fails in one
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -227,12 +228,13 @@ def test_clip_grads_gives_a_non_finite_norm_for_any_nan_or_inf_and_refuses_misma
         _clip([np.ones(5, np.float32)], [(4,)], 1.0, 1.0, lib)
 
 
-def test_the_avx2_library_gives_the_baseline_librarys_bits(tmp_path):
+@pytest.mark.parametrize("wide", ["-mavx2", "-mavx512f"])
+def test_the_avx2_and_avx512_libraries_give_the_baseline_librarys_bits(tmp_path, wide):
     """Machines that share a cache directory may build for different ISAs: their numbers must agree."""
-    if not fused_cpu.isa_flags():
-        pytest.skip("this CPU has no AVX2")
+    if wide.removeprefix("-m") not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip(f"this CPU has no {wide.removeprefix('-m').upper()}")
     base = ctypes.CDLL(str(fused_cpu.build(tmp_path / "base", compiler=cxx(), isa=())))
-    avx2 = ctypes.CDLL(str(fused_cpu.build(tmp_path / "avx2", compiler=cxx(), isa=("-mavx2",))))
+    avx2 = ctypes.CDLL(str(fused_cpu.build(tmp_path / "wide", compiler=cxx(), isa=(wide,))))
     x = rng(40).normal(size=(203, 67)).astype(np.float32) * 4
     s = rng(41).normal(size=(3, 37, 37)).astype(np.float32) * 8
     cases = [("SwiGluFwd", [x, x[::-1]], [x.shape]), ("SwiGluBwd", [x, x[::-1], x * 2], [x.shape, x.shape]),
@@ -243,13 +245,18 @@ def test_the_avx2_library_gives_the_baseline_librarys_bits(tmp_path):
             assert a.tobytes() == b.tobytes(), name
 
 
-def test_isa_flags_name_avx2_only_on_an_x86_cpu_that_has_it(tmp_path):
+def test_isa_flags_name_avx2_on_an_x86_cpu_that_has_it_and_avx512_only_when_asked(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\n")
     assert fused_cpu.isa_flags(info, machine="x86_64") == ("-mavx2",)
     assert fused_cpu.isa_flags(info, machine="aarch64") == ()
     info.write_text("flags\t\t: fpu sse sse2 avx\n")
     assert fused_cpu.isa_flags(info, machine="x86_64") == ()
+    info.write_text("flags\t\t: fpu sse sse2 avx avx2 avx512f avx512bw avx512vl\n")
+    assert fused_cpu.isa_flags(info, machine="x86_64") == ("-mavx2",)
+    assert fused_cpu.isa_flags(info, machine="x86_64", widest=True) == ("-mavx512f",)
+    info.write_text("flags\t\t: fpu sse sse2 avx avx2\n")
+    assert fused_cpu.isa_flags(info, machine="x86_64", widest=True) == ("-mavx2",)
     assert fused_cpu.isa_flags(tmp_path / "missing", machine="x86_64") == ()
 
 
