@@ -349,20 +349,22 @@ class Coordinator:
         again before the watch has brought the key back (seen: twice, 4 ms apart, on 8 busy machines)."""
         value = json.dumps(decision)
         self._fenced([op_put(self._key(f"decision/{number}"), value)])
-        with self._lock:
-            known = self._mirror.get(f"decision/{number}")
-            if known is None or known.value != value.encode():
-                self._mirror[f"decision/{number}"] = KeyValue(self._key(f"decision/{number}").encode(), value.encode(),
-                                                              self._revision, self._revision)
+        self._mirror_own(f"decision/{number}", value)
 
     def publish_held(self, value: dict) -> None:
         """What this machine's RAM tier holds (memory_agreement.record), bound to its lease: a lost machine's
         record goes with it. In the mirror at once."""
         encoded = json.dumps(value)
         self.client.put(self._key(f"held/{self.node}"), encoded, lease=self.lease)
+        self._mirror_own(f"held/{self.node}", encoded, lease=self.lease)
+
+    def _mirror_own(self, name: str, value: str, lease: int = 0) -> None:
+        """This daemon's own write, in its mirror before the watch brings it back (unless it has already)."""
         with self._lock:
-            self._mirror[f"held/{self.node}"] = KeyValue(self._key(f"held/{self.node}").encode(), encoded.encode(),
-                                                         self._revision, self._revision, self.lease)
+            known = self._mirror.get(name)
+            if known is None or known.value != value.encode():
+                self._mirror[name] = KeyValue(self._key(name).encode(), value.encode(), self._revision, self._revision,
+                                              lease)
 
     def ask_take(self, node: int, request: dict) -> None:
         """The decider asks node `node` to take a RAM step from a peer (daemon.machines.membership.serve_take)."""

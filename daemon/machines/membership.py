@@ -68,7 +68,6 @@ class Membership:
             self.run_id = layout.run_id(files.run_dir)
         except OSError as e:
             raise PeersUnavailableError(f"run.dir {files.run_dir}: {e.strerror or e}", ExitCode.CANT_CREATE) from e
-
         if self.member is not None:
             if (said := self.member.start()) is not None:
                 ledger.emit("etcd_member", node=self.coord.node, detail=said)

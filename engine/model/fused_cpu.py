@@ -50,10 +50,9 @@ def isa_flags(cpuinfo: Path = Path("/proc/cpuinfo"), machine: str | None = None,
     nothing: the baseline ISA. `widest`: -mavx512f (16 lanes) where the CPU has AVX-512 — not the default: the
     kernels alone ran 10-25 % faster in it, the whole step +11 % in one sitting and -16 % in another on tiny
     (bench/vs_pytorch.py's A/B, an Intel Xeon VM): no gain this machine's noise lets one claim. Not
-    -march=native: the library's cache key
-    names its flags, so machines sharing a cache directory each get a library their CPU runs. No FMA (the build
-    has -ffp-contract=off) and the reductions add eight lanes in a fixed order whatever the width: every
-    library gives the baseline's bits exactly."""
+    -march=native: the library's cache key names its flags, so machines sharing a cache directory each get a
+    library their CPU runs. No FMA (the build has -ffp-contract=off) and the reductions add eight lanes in a
+    fixed order whatever the width: every library gives the baseline's bits exactly."""
     flags = cpu_flags(cpuinfo, machine)
     if widest and "avx512f" in flags:
         return ("-mavx512f",)
@@ -126,9 +125,9 @@ ENV_ISA = "LLM_PRETRAIN_KERNEL_ISA"     # "" (isa_flags()), "avx512" (the widest
 def chosen_isa(env=os.environ) -> tuple[str, ...] | None:
     """The ISA flags $LLM_PRETRAIN_KERNEL_ISA asks for; None: the default (isa_flags())."""
     name = env.get(ENV_ISA, "")
-    choices = {"avx512": isa_flags(widest=True), "avx2": isa_flags(), "baseline": ()}
     if name in ("", "default"):
         return None
+    choices = {"avx512": isa_flags(widest=True), "avx2": isa_flags(), "baseline": ()}
     if name not in choices:
         raise BuildError(f"${ENV_ISA} = {name!r}: it must be one of default, {', '.join(choices)}")
     if name == "avx512" and choices[name] != ("-mavx512f",) or name == "avx2" and not choices[name]:
