@@ -1,5 +1,7 @@
 """The RAM tier on every machine (issue 50, item 1): two hosts as network namespaces, one real MindSpore rank
-each, a real etcd outside both; a RAM checkpoint every step, the disk's every 50. A host lost at a random moment
+each, a real etcd outside both; a RAM checkpoint every step, the disk's interval beyond the test's length (so
+the RAM tier is always the newer state: with the disk's every 50, a loss that lands on a disk step resumes from
+the disk, rightly, and the test would assert a race's outcome). A host lost at a random moment
 (every process on it killed) costs the survivor at most one step: it resumes from the newest RAM step it holds,
 agreed by the decider — whether the lost host was a follower or the decider itself. A host rebooted (its tmpfs
 emptied) and back within the rejoin timeout takes the run's newest RAM step from its peer (item 2), and nobody
@@ -24,7 +26,8 @@ def _generation_with(run, node, event, after):
 
 def test_a_host_lost_at_a_random_moment_costs_the_survivor_at_most_one_step_follower_or_decider(
         cli, quiet_env, tmp_path, stdlib_corpus):
-    settings = ["train.steps=100000", "train.global_batch=8", "checkpoint.interval_steps=50", "checkpoint.memory_interval_steps=1",
+    settings = ["train.steps=100000", "train.global_batch=8", "checkpoint.interval_steps=100000",
+                "checkpoint.memory_interval_steps=1",
                 f'checkpoint.memory_dir="{tmp_path / "shm"}"', "run.min_nodes=1", "run.node_rejoin_timeout_s=0",
                 "health.hang_floor_s=30"]
     run, rng = tmp_path / "run", random.Random()
@@ -78,7 +81,7 @@ def test_a_rebooted_host_takes_the_newest_ram_step_from_its_peer_and_nobody_roll
         cli, quiet_env, tmp_path, stdlib_corpus):
     """The run's own rejoin settings (it waits up to 60 s for the host, at full size); host 1 lost at a random
     moment, its RAM tier emptied as a reboot empties a tmpfs, and its daemon started again."""
-    settings = ["train.steps=100000", "train.global_batch=8", "checkpoint.interval_steps=50",
+    settings = ["train.steps=100000", "train.global_batch=8", "checkpoint.interval_steps=100000",
                 "checkpoint.memory_interval_steps=1", f'checkpoint.memory_dir="{tmp_path / "shm"}"']
     run = tmp_path / "run"
     with Hosts(2) as hosts:
