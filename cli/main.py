@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import traceback
 from typing import Sequence
 
@@ -316,8 +317,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     # a full disk under the log; whole lines (the log is shared with the ranks being torn down)
     sys.stdout, sys.stderr = TolerantStream(sys.stdout), TolerantStream(sys.stderr)
     if os.environ.get(ENV_STANDBY_FD):               # a warm standby: form the cluster, wait to be a rank
-        from engine.rank import standby
+        import importlib
 
+        from engine.rank import idle_cpu
+
+        started = time.monotonic()
+        with idle_cpu.only() as idle:                 # its imports on the CPU the training leaves idle
+            importlib.import_module("engine.rank.trainer")   # MindSpore and the engine: what a standby saves
+            from engine.rank import standby
+        if idle:
+            print(f"standby: MindSpore and the engine imported on idle CPU only (SCHED_IDLE) in "
+                  f"{time.monotonic() - started:.1f} s, then back to normal scheduling", flush=True)
         standby.hold(cfg, int(os.environ[ENV_STANDBY_FD]))
         cfg = load_config(args.config, args.overrides)
     from engine.rank import runtime

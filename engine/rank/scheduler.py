@@ -27,6 +27,11 @@ def main() -> None:
         host, port = hub_reduce.parse_address(os.environ[ENV_GROUP_HUB])
         hub_reduce.serve((host, port), world=int(os.environ[ENV_LOCAL_WORLD]), token=os.environ[ENV_LOCAL_GROUP])
         return
+    if os.environ.get(ENV_STANDBY_FD):
+        from engine.rank import idle_cpu
+
+        with idle_cpu.only():            # a standby's import on the CPU the training leaves idle
+            import mindspore  # noqa: F401
     import mindspore as ms
     from mindspore import communication
 

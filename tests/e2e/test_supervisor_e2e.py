@@ -55,11 +55,27 @@ def _final_params(run: Path) -> set[str]:
             if l.startswith('{"generation"') and '"exit"' in l and '"finished"' in l}
 
 
+def _idle_threads(pid: int) -> list[int]:
+    """The threads of process `pid` under SCHED_IDLE."""
+    idle = []
+    for name in os.listdir(f"/proc/{pid}/task"):
+        try:
+            if os.sched_getscheduler(int(name)) == os.SCHED_IDLE:
+                idle.append(int(name))
+        except ProcessLookupError:          # ended meanwhile
+            pass
+    return idle
+
+
 def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_exact(cli, quiet_env, tmp_path,
                                                                                      stdlib_corpus):
     proc, run = _daemon(cli, quiet_env, tmp_path, stdlib_corpus, "checkpoint.memory_interval_steps=3",
                         "health.allow_fault_injection=true", steps=STANDBY_STEPS)
     _wait_for(lambda: _last_step(run) >= 25 and _named(_events(run), "standby_ready"), what="step 25 and a standby")
+    # the standby imported on idle CPU only (engine/rank/idle_cpu.py), and once ready every thread of it (MindSpore's
+    # pools were started while it was idle) is back to normal scheduling
+    standby_pids = _named(_events(run), "standby_started")[0]["pids"]
+    assert {r: _idle_threads(pid) for r, pid in standby_pids.items()} == {r: [] for r in standby_pids}
     # kill while the RAM tier holds the newest checkpoint, a few steps before the next disk save: rank 1 is
     # held (a hang drill) before step `hold`, so the run cannot move on past that state while the kill is
     # on its way; the drill is asked for well ahead of the step, so every rank has agreed on it by then
@@ -95,6 +111,7 @@ def test_kill_9_of_a_rank_is_survived_on_the_warm_standby_from_the_ram_tier_bit_
     assert start["resume_step"] == at_kill["in_memory"]
     assert restored["path"].startswith("/dev/shm/llm-pretrain-")
     assert not list(Path("/dev/shm").glob(f"llm-pretrain-{(run / '.run-id').read_text().strip()}"))  # freed at the end
+    assert all("imported on idle CPU only (SCHED_IDLE)" in (run / "logs" / f"rank-{r}.log").read_text() for r in (0, 1))
     back = next(e for e in events if e["event"] == "first_step" and e["generation"] == 2)
     print(f"killed at step ~{crashed_at}, resumed from {restart['resume_step']}; "
           f"start-up on the standby {_named(events, 'compiling')[1]['startup_s']}, "

@@ -88,6 +88,8 @@ def test_the_units_encode_the_exit_code_contract_and_the_operating_model(install
                                                                                      "on-failure")
         assert keys["ExecStart"].startswith(f"{VENV}/bin/llm-pretrain run --config ")
         assert keys["User"] == "llm-pretrain" and keys["ProtectSystem"] == "strict"
+        # the service user's standby may come back from SCHED_IDLE to nice 0, never above (engine/rank/idle_cpu.py)
+        assert keys["LimitNICE"] == "+0"
         # a failure that repeats is not restarted forever; SIGHUP reopens the log; the journal names the run
         assert (keys["StartLimitIntervalSec"], keys["StartLimitBurst"]) == ("600", "5")
         assert keys["ExecReload"] == "/bin/kill -HUP $MAINPID"
