@@ -23,6 +23,7 @@ from typing import Iterator
 # after its start for stuck (daemon/processes/standby.py FORM_TIMEOUT_S); ~2.5 s of imports at normal priority
 # and the cluster's formation fit in what is left
 LIMIT_S = 20.0
+CAP_SYS_NICE = 23           # linux/capability.h
 
 
 class IdleCpuError(RuntimeError):
@@ -30,13 +31,23 @@ class IdleCpuError(RuntimeError):
 
 
 def can_leave() -> bool:
-    """Whether this process may go from SCHED_IDLE back to SCHED_OTHER at its nice value: root (the
-    capability is checked by the kernel when it leaves) or RLIMIT_NICE's ceiling (20 - limit) at or
-    below its nice value."""
-    if os.geteuid() == 0:
+    """Whether this process may go from SCHED_IDLE back to SCHED_OTHER at its nice value: CAP_SYS_NICE
+    in effect (root without it — a container's default — may not), or RLIMIT_NICE's ceiling (20 - limit)
+    at or below its nice value."""
+    if _has_capability(CAP_SYS_NICE):
         return True
     soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
     return soft == resource.RLIM_INFINITY or 20 - soft <= os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def _has_capability(bit: int) -> bool:
+    """Whether capability number `bit` is in this process's effective set (/proc/self/status CapEff)."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(line.split()[1], 16) >> bit & 1)
 
 
 def enter() -> bool:

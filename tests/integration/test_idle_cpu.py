@@ -1,7 +1,7 @@
 """A warm standby's imports on idle CPU only (engine/rank/idle_cpu.py): in a real process, as root, a thread
 started inside the block runs under SCHED_IDLE, and after it every thread of the process is back to SCHED_OTHER;
-as an unprivileged user without the RLIMIT_NICE the systemd units give (`LimitNICE=+0`), which could not come
-back, the process never leaves normal scheduling. (That limit itself is not set here: raising RLIMIT_NICE's hard
+as an unprivileged user without the RLIMIT_NICE the systemd units give (`LimitNICE=+0`), or as root without
+CAP_SYS_NICE (a container's default), which could not come back, the process never leaves normal scheduling. (That limit itself is not set here: raising RLIMIT_NICE's hard
 limit needs CAP_SYS_RESOURCE, which this sandbox's root lacks; systemd, as PID 1 on a host, has it.)"""
 import json
 import os
@@ -64,5 +64,14 @@ def test_past_its_limit_the_block_goes_on_at_normal_priority():
 
 def test_unprivileged_without_it_the_process_never_leaves_normal_scheduling():
     seen = _probe("prlimit", "--nice=0", "setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups")  # cannot come back
+    assert seen == {"idle": False, "inside": os.SCHED_OTHER, "thread_started_inside": os.SCHED_OTHER,
+                    "late": [os.SCHED_OTHER], "after": [os.SCHED_OTHER]}
+
+
+def test_root_without_cap_sys_nice_never_leaves_normal_scheduling():
+    """A container's root lacks CAP_SYS_NICE by default: it could enter SCHED_IDLE but not come back."""
+    if os.geteuid() != 0:
+        pytest.fail("the tests run as root (CI does): this one drops a capability root has")
+    seen = _probe("prlimit", "--nice=0", "setpriv", "--bounding-set=-sys_nice", "--inh-caps=-sys_nice")
     assert seen == {"idle": False, "inside": os.SCHED_OTHER, "thread_started_inside": os.SCHED_OTHER,
                     "late": [os.SCHED_OTHER], "after": [os.SCHED_OTHER]}
