@@ -318,7 +318,7 @@ class HealthConfig:
     stall_floor_s: float = 10.0          # a rank stuck this long in one phase of a step (its phase board) while the
                                          # others wait for it is named and the generation restarted: after max(this,
                                          # hang_step_multiplier x p99 step time), once this generation has a step time
-    max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint: exit 3
+    max_restarts_without_progress: int = 3  # crash loop: this many restarts with no new committed checkpoint (either tier): exit 3
     straggler_action: str = "warn"       # a rank the others wait for: "warn", "restart" the generation, or "exclude"
                                          # its device (several machines: its machine) as a faulty one, when
     straggler_restart_after_s: float = 300.0  # ... it stays slow this long (on a cluster: its node excluded)

@@ -123,7 +123,7 @@ class Supervisor:
 
     # Generations -------------------------------------------------------------------------------
     def _loop(self) -> int:
-        self.ledger.note_committed(self.files.committed_step())
+        self.ledger.note_committed(self.files.resume_step())      # either tier's: what a restart's progress is judged by
         undecided = self.peers.unfinished(self.ledger)          # multi-node: ended while this daemon was away
         while True:
             try:

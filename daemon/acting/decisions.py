@@ -35,6 +35,7 @@ class Decision:
     cfg: Config            # the config the next generation runs with
     resume_step: int       # the checkpoint it resumes from
     resume_tier: str = "disk"   # where the ranks find it: "ram" (this machine's RAM tier), "disk", "none"
+    progress_step: int | None = None   # the decider's: the step the run would have resumed from (restart progress)
 
 
 def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cfg: Config,
@@ -43,7 +44,10 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     state = ledger.state
     steps = files.committed_steps()                 # one scan of the manifests serves both
     committed = steps[-1] if steps else 0
-    ledger.note_committed(committed, counts_progress=incident.kind.is_process_fault)
+    # progress is the step the run would resume from, either tier: with the RAM tier every few steps, a rank lost
+    # 40 steps after a restart made progress, though no disk checkpoint came between (no backoff for it)
+    progress = files.resume_step(common)
+    ledger.note_committed(progress, counts_progress=incident.kind.is_process_fault)
     history = _history(ledger, steps, memory_steps=files.memory_steps() if cfg.run.nodes == 1 else (),
                        script=bool(cfg.script.command))
     action = policy.decide(incident, history, cfg.health, cfg.train)
@@ -56,7 +60,8 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})
     new_cfg = cfg if isinstance(action, Halt) else with_changes(base_cfg, state.config_changes)
     write_bundle(ledger, files, cfg, record, resume)
-    return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume, resume_tier=files.tier_of(resume))
+    return Decision(action=action, record=record, cfg=new_cfg, resume_step=resume, resume_tier=files.tier_of(resume),
+                    progress_step=progress)
 
 
 def write_bundle(ledger: Ledger, files: RunFiles, cfg: Config, record: IncidentRecord, resume: int) -> None:
@@ -195,10 +200,14 @@ def apply_published(published: dict, *, ledger: Ledger, files: RunFiles, cfg: Co
     steps = files.committed_steps()
     if record.committed_step is not None:          # what the decider saw: a follower applying it later may
         steps = [s for s in steps if s <= record.committed_step]     # see the next generation's checkpoints
-    if record.incident.kind.is_process_fault:      # the same bookkeeping, in the same order, as the decider's
-        ledger.note_committed(steps[-1] if steps else 0, counts_progress=True)
+    # the same bookkeeping, in the same order, as the decider's: progress against the step it found the run would
+    # resume from (a decider without "progress_step" counted the disk's alone)
+    progress = published.get("progress_step", record.committed_step if record.committed_step is not None
+                             else (steps[-1] if steps else 0))
+    if record.incident.kind.is_process_fault:
+        ledger.note_committed(int(progress), counts_progress=True)
     if record.committed_step is not None:
-        ledger.note_committed(record.committed_step)
+        ledger.note_committed(int(progress))
     history = _history(ledger, steps)
     own = policy.decide(record.incident, history, cfg.health, cfg.train)
     _record_decision(ledger, record, in_force=(

@@ -42,7 +42,7 @@ class DecisionExchange:
                                                        base_cfg=base_cfg, common=agreed())
                 published = {"record": decision.record.to_dict(), "config_changes": ledger.state.config_changes,
                              "recovery": ledger.state.recovery.to_dict() if ledger.state.recovery else None,
-                             "resume_step": decision.resume_step}
+                             "resume_step": decision.resume_step, "progress_step": decision.progress_step}
                 written = self.m.retrying(lambda: self.coord.publish_decision(number, published), ledger, stopping)
                 if written is None:
                     return None

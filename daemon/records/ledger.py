@@ -149,7 +149,8 @@ class Ledger:
             self.rank_logs = ranks
 
     def note_committed(self, step: int, *, counts_progress: bool = False) -> None:
-        """The newest committed checkpoint; `counts_progress`: a process fault's restart is counted against it."""
+        """The newest committed checkpoint, either tier's (the step the run resumes from); `counts_progress`: a
+        process fault's restart is counted against it."""
         if counts_progress:
             self.state.count_restart_progress(step)
         self.state.set_last_committed(step)

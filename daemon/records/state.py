@@ -50,7 +50,7 @@ class RunState:
     generation: int = 0                  # generations started so far (the next is generation + 1)
     restarts: int = 0                    # restarts after crashes and hangs, in all
     restarts_without_progress: int = 0   # consecutive restarts with no new committed checkpoint
-    last_committed_step: int = 0         # newest committed checkpoint when the last generation began
+    last_committed_step: int = 0         # the step the last generation resumed from (either tier's checkpoint)
     resumed: dict[str, Any] = dataclasses.field(default_factory=dict)   # where the last generation resumed from:
                                          # step, tier (ram, disk, none), generation, restored (the ranks said so)
     status: str = "new"                  # new, running, restarting, finished, stopped, gave_up, failed
@@ -152,8 +152,8 @@ class RunState:
         self.processes = list(records)
 
     def set_last_committed(self, step: int) -> None:
-        """The newest committed checkpoint as the run goes on from here (a generation's start, a decision,
-        a rollback carried out)."""
+        """The newest committed checkpoint, either tier's, as the run goes on from here (a generation's start, a
+        decision, a rollback carried out)."""
         self.last_committed_step = step
 
     def note_resumed(self, *, step: int, tier: str, generation: int, restored: bool) -> None:
@@ -162,8 +162,9 @@ class RunState:
         self.resumed = {"step": step, "tier": tier, "generation": generation, "restored": restored}
 
     def count_restart_progress(self, committed_step: int) -> None:
-        """A process fault ended a generation: one more restart without progress, unless a checkpoint
-        newer than `last_committed_step` was committed since."""
+        """A process fault ended a generation: one more restart without progress, unless a checkpoint (either
+        tier's: `committed_step` is the step the run would resume from) newer than `last_committed_step` was
+        committed since."""
         progressed = committed_step > self.last_committed_step
         self.restarts_without_progress = 0 if progressed else self.restarts_without_progress + 1
 
