@@ -169,17 +169,19 @@ def count_restart(decision: Decision, ledger: Ledger, *, backoff_s: float) -> No
 
 class Backoff:
     """How long to wait before the next generation. None before a rollback (the fault was the
-    numbers', not the machine's) nor before the first restart since progress (a new checkpoint since
-    the last restart: a fault that does not repeat costs no wait, as with torchrun's restarts); for a
-    restart that repeats without progress, exponential in those repeats from restart_backoff_initial_s,
-    jittered, capped at restart_backoff_max_s (a machine that keeps failing is not hammered)."""
+    numbers', not the machine's), nor before the first restart since progress (a new checkpoint since
+    the last restart) or the run's first restart of all (a rank lost before the first checkpoint): a
+    fault that does not repeat costs no wait, as with torchrun's restarts; for a restart that repeats
+    without progress, exponential in those repeats from restart_backoff_initial_s, jittered, capped at
+    restart_backoff_max_s (a machine that keeps failing is not hammered)."""
 
     def __init__(self, health: HealthConfig):
         self._wait = tenacity.wait_exponential_jitter(initial=health.restart_backoff_initial_s,
                                                       max=health.restart_backoff_max_s, jitter=1.0)
 
-    def delay_s(self, decision: Decision, restarts_without_progress: int) -> float:
-        if isinstance(decision.action, (Rollback, Rerun)) or restarts_without_progress == 0:
+    def delay_s(self, decision: Decision, restarts_without_progress: int, *, first_restart: bool = False) -> float:
+        """`first_restart`: the run has not restarted before this one."""
+        if isinstance(decision.action, (Rollback, Rerun)) or restarts_without_progress == 0 or first_restart:
             return 0.0
         return self._wait(_Attempt(restarts_without_progress))
 

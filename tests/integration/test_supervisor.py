@@ -126,6 +126,9 @@ def test_crash_loop_gives_up_with_3(tmp_path):
     assert all(e["error"] == why for e in _named(events, "crash"))
     assert all(why in e["detail"] for e in _named(events, "incident"))
     assert why in _named(events, "daemon_exit")[0]["detail"] and "restarts without" in _named(events, "daemon_exit")[0]["detail"]
+    # the run's first restart is at once (a fault that has not repeated); the one after it, without progress, waits
+    first, second = _named(events, "restart")
+    assert first["backoff_s"] == 0.0 and second["backoff_s"] >= 0.1 and second["restarts_without_progress"] == 2
 
 
 def test_sigterm_stops_with_a_checkpoint_and_0(tmp_path):

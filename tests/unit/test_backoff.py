@@ -20,6 +20,7 @@ ROLLBACK = _decision(Rollback("non-finite loss", checkpoint_step=10, skip=None, 
 def test_the_first_restart_since_progress_and_every_rollback_start_at_once():
     backoff = Backoff(CFG.health)
     assert backoff.delay_s(RESTART, restarts_without_progress=0) == 0.0
+    assert backoff.delay_s(RESTART, restarts_without_progress=1, first_restart=True) == 0.0   # lost before any save
     assert backoff.delay_s(ROLLBACK, restarts_without_progress=0) == 0.0
     assert backoff.delay_s(ROLLBACK, restarts_without_progress=3) == 0.0
 
