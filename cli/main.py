@@ -323,6 +323,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         with idle_cpu.only() as idle:                 # its imports on the CPU the training leaves idle
+            _prestart_ram_writer(cfg)                   # (its child inherits SCHED_IDLE, and keeps it)
             importlib.import_module("engine.rank.trainer")   # MindSpore and the engine: what a standby saves
             from engine.rank import standby
         if idle:
@@ -330,6 +331,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
                   f"{time.monotonic() - started:.1f} s, then back to normal scheduling", flush=True)
         standby.hold(cfg, int(os.environ[ENV_STANDBY_FD]))
         cfg = load_config(args.config, args.overrides)
+    else:
+        _prestart_ram_writer(cfg)                       # beside MindSpore's import, not beside the first steps
     from engine.rank import runtime
 
     runtime.check_process_count(cfg)
@@ -347,6 +350,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"llm-pretrain: {e}", file=sys.stderr)
         return ExitCode.INTERNAL_ERROR
     return ExitCode.OK
+
+
+def _prestart_ram_writer(cfg) -> None:
+    """The RAM tier's writer process started now (checkpointing.writer_process.prestart): started at the
+    first save, its interpreter's start slowed the first steps of every generation and the next save
+    waited for it."""
+    if cfg.checkpoint.memory_interval_steps:
+        from checkpointing import writer_process
+
+        writer_process.prestart()
 
 
 def _resumable(cfg, *, allow_config_change: bool = False):

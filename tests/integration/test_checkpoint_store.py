@@ -404,3 +404,37 @@ def test_a_rank_with_no_tensors_of_its_own_still_writes_its_empty_shard_through_
         w.close()
     assert layout.committed_steps(tmp_path) == [1]
     assert reader.load_tensors(layout.step_dir(tmp_path, 1))["w"].tolist() == [7.0] * 4
+
+
+def test_a_prestarted_writer_process_is_the_one_the_first_save_takes_and_writes_through(tmp_path):
+    """A rank starts its RAM writer's process ahead (while a standby waits): the writer's first layout takes
+    that process and its memory instead of starting its own at the first save, and the saves commit as ever."""
+    from checkpointing import writer_process
+    writer_process.prestart()
+    spare = writer_process._spare[1].pid
+    w = ProcessShardWriter(tmp_path, rank=0, world=1, keep_last=2, **{k: v for k, v in RAM_TIER.items() if k != "kind"})
+    for step in (1, 2):
+        w.save(step, {"w": np.full((32, 32), step, np.float32)}, run_state={"step": step})
+        assert w.wait(timeout_s=60) and w.last_error is None and w.pid == spare
+    assert reader.load_tensors(layout.step_dir(tmp_path, 2))["w"].tolist() == [[2.0] * 32] * 32
+    assert writer_process._spare is None            # taken once: another writer starts its own
+    w.close()
+    assert _wait_until(lambda: _gone(spare), timeout_s=5)
+
+
+def test_a_prestarted_writer_process_that_died_is_replaced_and_one_never_taken_exits_quietly(tmp_path, capfd):
+    from checkpointing import writer_process
+    writer_process.prestart()
+    dead = writer_process._spare[1]
+    dead.kill()
+    dead.wait()
+    w = ProcessShardWriter(tmp_path, rank=0, world=1, keep_last=2)
+    w.save(1, {"w": np.full(8, 1.0)}, run_state={"step": 1})
+    assert w.wait(timeout_s=60) and w.last_error is None and w.pid not in (None, dead.pid)
+    w.close()
+    writer_process.prestart()                      # never taken: its parent closes it (as at the rank's exit)
+    fd, idle = writer_process._take_spare()
+    idle.stdin.close()
+    assert idle.wait(timeout=30) == 0
+    os.close(fd)
+    assert "Traceback" not in capfd.readouterr().err
