@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from recovery import _at, _daemon, _events, _stop  # noqa: E402
 
+from daemon.judging.goodput import RESTART  # noqa: E402
 from daemon.records.state import RunState  # noqa: E402
 
 TARGETS = {25: 0.98, 60: 0.90, 300: 0.97}    # 25: issue 50's soak, a kill every 15-40 s
@@ -154,7 +155,20 @@ def compared(bench: float, faulty: dict, clean: dict) -> dict:
     at_pace = paced(faulty, clean)
     points = lambda b: None if relative is None or b is None else round(100 * (relative - b), 2)
     return {"faulty": f, "clean": c, "relative": relative, "paced": at_pace, "difference_points": points(at_pace),
-            "difference_from_steps_points": points(bench)}
+            "difference_from_steps_points": points(bench), "restarts": restart_share(faulty, clean)}
+
+
+def restart_share(faulty: dict, clean: dict) -> float | None:
+    """1 - what the kills cost in restarts alone, by the ledger: the run with kills' teardown, start, restore,
+    compile and steps trained again, less the clean run's own (its one start), over the wall time. Unlike
+    the ratio of steps and the paced figure, the host's pace moving between the two runs does not enter
+    it; the slower steps after a recovery do not either (they are in the others)."""
+    bad_f, bad_c = faulty["ledger"].get("badput_s"), clean["ledger"].get("badput_s")
+    wall = faulty["ledger"].get("wall_s")
+    if not bad_f or bad_c is None or not wall:
+        return None
+    causes = (*RESTART, "retrained")
+    return 1.0 - (sum(bad_f.get(k, 0.0) for k in causes) - sum(bad_c.get(k, 0.0) for k in causes)) / wall
 
 
 def _flipped(events: list[dict], at: float, started: float) -> dict:
@@ -245,14 +259,14 @@ def main() -> None:
     print("beside the bench's goodput at each run's own pace (steps × median step period, faulty / clean) and its "
           "ratio of steps")
     print(f"{'kill every':>11} {'faulty':>7} {'clean':>7} {'relative':>9} {'paced':>7} {'points':>7} {'steps':>7} "
-          f"{'points':>7}")
+          f"{'points':>7} {'restarts':>9}")
     for r in results:
         led = r["ledger"]
         cell = lambda v: f"{v:.3f}" if v is not None else "-"
         pts = lambda v: f"{v:+.2f}" if v is not None else "-"
         print(f"{r['interval_s']:>10.0f}s {cell(led['faulty']):>7} {cell(led['clean']):>7} {cell(led['relative']):>9} "
               f"{cell(led['paced']):>7} {pts(led['difference_points']):>7} {r['goodput']:>7.3f} "
-              f"{pts(led['difference_from_steps_points']):>7}")
+              f"{pts(led['difference_from_steps_points']):>7} {cell(led.get('restarts')):>9}")
     # a run of some intervals replaces those and keeps the others' earlier results (each with its date)
     now, before = results_file.now(), results_file.read("goodput")
     ran = {r["interval_s"] for r in results}

@@ -156,7 +156,10 @@ def faults(docs: dict[str, dict]) -> list[str]:
     if good:
         for r in good["results"]:
             f = r["faulty"]
-            target = _target(f"≥ {r['target']:.2f}", r["goodput"] >= r["target"]) if r.get("target") else ""
+            # met only where every figure of the pair says so: the ratio of steps moves with the host's pace
+            # between the two runs as much as with the kills (the paced figure, where there is one, corrects it)
+            figures = [r["goodput"], *([r["ledger"]["paced"]] if (r.get("ledger") or {}).get("paced") is not None else [])]
+            target = _target(f"≥ {r['target']:.2f}", min(figures) >= r["target"]) if r.get("target") else ""
             rows.append(f"| goodput, a rank killed every ~{r['interval_s']:.0f} s ({len(f['faults'])} kills in "
                         f"{f['wall_s']:.0f} s) | **{r['goodput']:.3f}**{_ledger(r.get('ledger'))} | {target} | `goodput.py` |")
         mix = good.get("mix")
@@ -175,9 +178,11 @@ def _ledger(ledger: dict | None) -> str:
     if ledger.get("paced") is None:          # a result from before the paced figure
         return (f"; the daemon's ledger {ledger['relative']:.3f} ({ledger['difference_points']:+.1f} points; "
                 f"{ledger['faulty']:.3f} of the wall time with kills, {ledger['clean']:.3f} without)")
+    restarts = (f"; what the restarts alone cost, by the ledger: {ledger['restarts']:.3f}"
+                if ledger.get("restarts") is not None else "")
     return (f"; at each run's own pace {ledger['paced']:.3f}, the daemon's ledger {ledger['relative']:.3f} "
             f"({ledger['difference_points']:+.1f} points; {ledger['faulty']:.3f} of the wall time with kills, "
-            f"{ledger['clean']:.3f} without)")
+            f"{ledger['clean']:.3f} without){restarts}")
 
 
 def _checkpoint_stall(stall: dict) -> list[str]:
