@@ -225,8 +225,7 @@ class Supervisor:
         if isinstance(decision.action, Halt):
             return decisions.give_up(decision, self.ledger, self.files)
         self.cfg = decision.cfg
-        delay = (self.backoff.delay_s(decision, self.state.restarts_without_progress, first_restart=not self.state.restarts)
-                 if self.peers.is_leader else 0)
+        delay = self.backoff.after(decision, self.state) if self.peers.is_leader else 0
         decisions.count_restart(decision, self.ledger, backoff_s=delay)
         if self._sleep(delay) == "stop":
             return self.ledger.exit(ExitCode.OK, "stopped", "stopped", detail="stop requested during backoff")

@@ -179,6 +179,10 @@ class Backoff:
         self._wait = tenacity.wait_exponential_jitter(initial=health.restart_backoff_initial_s,
                                                       max=health.restart_backoff_max_s, jitter=1.0)
 
+    def after(self, decision: Decision, state) -> float:
+        """delay_s for a run in `state` (a RunState: its restarts before this one)."""
+        return self.delay_s(decision, state.restarts_without_progress, first_restart=not state.restarts)
+
     def delay_s(self, decision: Decision, restarts_without_progress: int, *, first_restart: bool = False) -> float:
         """`first_restart`: the run has not restarted before this one."""
         if isinstance(decision.action, (Rollback, Rerun)) or restarts_without_progress == 0 or first_restart:

@@ -33,3 +33,12 @@ def test_a_restart_that_repeats_without_progress_waits_exponentially_jittered(re
 
 def test_the_wait_is_capped():
     assert Backoff(CFG.health).delay_s(RESTART, restarts_without_progress=20) == CFG.health.restart_backoff_max_s
+
+
+def test_the_run_state_says_whether_a_restart_is_the_run_s_first():
+    from daemon.records.state import RunState
+    state = RunState()
+    state.restarts_without_progress = 1
+    assert Backoff(CFG.health).after(RESTART, state) == 0.0          # lost before the first checkpoint
+    state.restarts = 1
+    assert Backoff(CFG.health).after(RESTART, state) >= 1.0          # and again, without progress
