@@ -28,9 +28,10 @@ def carry_out(effects: Sequence[watch.Effect], *, ledger: Ledger, gen: Generatio
             ledger.progress(e.event, log=e.log, notify=e.notify, compiled=e.compiled)
             _cadence(ledger, cfg, peers, files, step=e)
         elif isinstance(e, watch.Saving):
-            if e.stage == "staged":
+            if e.stage in ("staged", "waited"):     # the steps held: checkpoint time in the goodput ledger
                 ledger.checkpoint_stall(e.seconds)
-            _cadence(ledger, cfg, peers, files, saving=e)
+            if e.stage != "waited":
+                _cadence(ledger, cfg, peers, files, saving=e)
         elif isinstance(e, watch.Phase):
             ledger.phase(e.phase)
         elif isinstance(e, watch.Validated):

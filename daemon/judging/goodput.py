@@ -10,7 +10,7 @@ the interval since then:
 
 - what the ranks measured and said — a step's `step_s` (less its `data_wait_s`) with the loop's own
   work since the step before (`loop_s`: sending events, reading commands), its data wait, the RAM
-  tier's saves since the step before, a disk checkpoint's `staged` seconds, a validation's seconds —
+  tier's saves since the step before, a disk checkpoint's `staged` (and `waited`) seconds, a validation's seconds —
   is a *claim* on that interval, credited to
   its cause (claims beyond the interval wait for the next one: the sum is always the wall time). While
   training, up to SLACK_S of time no claim has taken yet is held (`slack`) before it is called `other`:

@@ -160,7 +160,8 @@ class Restored:
 @dataclasses.dataclass(frozen=True)
 class Saving:
     """A save of the watched rank moved: `stage` staged (it blocked the step `seconds`) or committed, on the
-    `tier` disk or memory (checkpoint.interval_steps = "auto" times them: daemon.judging.cadence)."""
+    `tier` disk or memory (checkpoint.interval_steps = "auto" times them: daemon.judging.cadence); or waited
+    (a disk save blocked `seconds` for the one before it: checkpoint time, no save of its own)."""
     tier: str
     stage: str
     step: int
@@ -184,7 +185,7 @@ class DumpStacks:
 
 Effect = (Send | Note | Status | Progress | Validated | Warned | Triaged | Committed | MemoryCommitted | Restored
           | Saving | CheckpointFailed | DumpStacks | Phase)
-_SAVING = {"staged": ("disk", "staged"), "committed": ("disk", "committed"),
+_SAVING = {"staged": ("disk", "staged"), "committed": ("disk", "committed"), "waited": ("disk", "waited"),
            "staged_in_memory": ("memory", "staged"), "in_memory": ("memory", "committed")}
 OBSERVED_KEPT = 512          # the watched rank's recent steps whose values a rerun compares
 

@@ -597,3 +597,30 @@ def test_the_run_files_name_the_devices_a_drill_left_faulty(tmp_path):
     (tmp_path / "run" / "drills" / "faulty-node0-device1").touch()
     files = RunFiles(load_config(None, [f'run.dir="{tmp_path / "run"}"']), {})
     assert files.faulty_devices() == [{"fault": "faulty-rank", "node": 0, "device": 1}]
+
+
+def test_a_disk_save_that_waited_for_the_one_before_is_checkpoint_time_in_the_goodput_ledger(tmp_path):
+    """The watched rank's `waited` (its step held while the previous disk save finished) is claimed as checkpoint
+    time, beside the save's own `staged` seconds; it is no save of its own, so an auto interval does not time it.
+    Before, it was nobody's claim and the ledger called it `other`."""
+    import io
+
+    from daemon.acting import effects_of_watch
+    from daemon.processes.run_files import RunFiles
+    from daemon.records.eventlog import EventLog
+    from daemon.records.ledger import Ledger
+    from daemon.records.metrics import Metrics
+    from daemon.records.notify import Notifier
+
+    w = make()
+    steps(w, 1, 3, 0.0)
+    w.on_event(CheckpointEvent(rank=0, generation=1, step=3, stage="waited", seconds=0.75), 1.0)
+    w.on_event(CheckpointEvent(rank=1, generation=1, step=3, stage="waited", seconds=0.5), 1.0)   # not watched
+    effects = w.drain()
+    assert kinds(effects, watch.Saving) == [watch.Saving("disk", "waited", 3, 0.75)]
+    cfg = load_config(None, [f'run.dir="{tmp_path / "run"}"', 'checkpoint.interval_steps="auto"'])
+    files = RunFiles(cfg, {})
+    files.node_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(files.node_dir, EventLog(None, "r", stream=io.StringIO()), Metrics("r"), Notifier({}), total_steps=9)
+    effects_of_watch.carry_out(kinds(effects, watch.Saving), ledger=ledger, gen=None, peers=None, files=files, cfg=cfg)
+    assert ledger.goodput.pending == {"checkpoint": 0.75}       # claimed (settled against the wall time later)
