@@ -44,8 +44,9 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     state = ledger.state
     steps = files.committed_steps()                 # one scan of the manifests serves both
     committed = steps[-1] if steps else 0
-    # progress is the step the run would resume from, either tier: with the RAM tier every few steps, a rank lost
-    # 40 steps after a restart made progress, though no disk checkpoint came between (no backoff for it)
+    # what the ranks restore (the RAM tier's where it is newer), and what a restart's progress is judged by: with
+    # the RAM tier every few steps, a rank lost 40 steps after a restart made progress, though no disk checkpoint
+    # came between (no backoff for it)
     progress = files.resume_step(common)
     ledger.note_committed(progress, counts_progress=incident.kind.is_process_fault)
     history = _history(ledger, steps, memory_steps=files.memory_steps() if cfg.run.nodes == 1 else (),
@@ -54,7 +55,7 @@ def decide_and_record(incident: Incident, *, ledger: Ledger, files: RunFiles, cf
     record = IncidentRecord(incident=incident, generation=state.generation, unix_s=time.time(),
                             committed_step=committed, action=action)
     _record_decision(ledger, record)                        # on disk before anything is done
-    resume = files.resume_step(common)            # what the ranks restore: the RAM tier's where it is newer
+    resume = progress                  # nothing since moved a checkpoint (a rollback moves them next, and says where)
     if isinstance(action, (Rollback, Rerun)):
         resume = finish_rollback(ledger, files, common, cause=incident.kind.value, reason=action.reason,
                                  **{k: v for k, v in action.to_dict().items() if k in _ROLLBACK_FIELDS})

@@ -14,11 +14,15 @@ from daemon.records.metrics import Metrics
 from daemon.records.notify import Notifier
 
 
-def _commit(run, step):
-    d = run / "checkpoints" / f"step-{step:08d}"
+def _commit_in(root, step):
+    d = root / f"step-{step:08d}"
     d.mkdir(parents=True)
     (d / "manifest.json").write_text(json.dumps({"format": "llm-pretrain-checkpoint", "version": 1, "step": step,
                                                  "shards": [], "tensors": {}}))
+
+
+def _commit(run, step):
+    _commit_in(run / "checkpoints", step)
 
 
 def _node(tmp_path, rank):
@@ -63,13 +67,6 @@ def test_a_finished_run_says_its_last_step_when_the_last_step_datagrams_were_dro
     assert decisions.end_as(watch.Finished(12), ledger, stop_code=0, stop_reason=None) == 0
     saved = RunState.load(files.node_dir).last_progress
     assert saved["step"] == 12 and saved["loss"] == 2.5 and ledger.metrics.step == 12
-
-
-def _commit_in(root, step):
-    d = root / f"step-{step:08d}"
-    d.mkdir(parents=True)
-    (d / "manifest.json").write_text(json.dumps({"format": "llm-pretrain-checkpoint", "version": 1, "step": step,
-                                                 "shards": [], "tensors": {}}))
 
 
 def test_a_crash_after_new_ram_checkpoints_is_no_restart_without_progress(tmp_path):
