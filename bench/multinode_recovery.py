@@ -1,6 +1,6 @@
 """How fast a multi-node run comes back, in network namespaces on this machine (tests/netns.py: one
 host per namespace on a bridge, one daemon and one MindSpore CPU rank each, the tiny config, lease
-TTL 3 s, rejoin timeout 0 s), three ways, rounds interleaved:
+TTL 3 s, rejoin timeout 0 s), five ways, rounds interleaved:
 
     default   what a run does by default: the ranks sum gradients through a TCP hub on the decider's
               machine (a local group across machines: no MindSpore cluster to form), and each machine
@@ -8,6 +8,9 @@ TTL 3 s, rejoin timeout 0 s), three ways, rounds interleaved:
               config's own interval (every 50 steps, to the disk)
     ram       the same with the RAM tier on every machine, every step (`checkpoint.memory_interval_steps
               = 1`): the survivors resume from the newest RAM step they all hold (issue 50, item 1)
+    buddy     the RAM tier every step in buddy placement (`checkpoint.memory_placement = "buddy"`): each
+              machine's RAM holds its own part of a step and a copy of one peer's; the survivors make a step
+              whole from their parts and the lost machine's copy (issue 50, item 3)
     cold      the default without the standby (`run.standby = false`): every generation starts its ranks
     cluster   MindSpore's cluster with the standby (`parallel.local_reduce = false`): the collective
               every multi-node CPU run used before the hub (the "before" of issue 33 is this bench's
@@ -87,7 +90,9 @@ def _wait(ready, timeout_s: float, what: str, procs=(), out: Path | None = None,
 
 
 VARIANTS = {"default": [], "ram": ["checkpoint.memory_interval_steps=1"], "cold": ["run.standby=false"],
-            "cluster": ["parallel.local_reduce=false"]}
+            "cluster": ["parallel.local_reduce=false"],
+            # each machine's RAM its own part and a copy of a buddy's (checkpoint.memory_placement, issue 50 item 3)
+            "buddy": ["checkpoint.memory_interval_steps=1", 'checkpoint.memory_placement="buddy"']}
 
 
 def _start(hosts: Hosts, i: int, run: Path, corpus: Path, coordinator: list[str], variant: str, extra: list[str],

@@ -132,8 +132,11 @@ def faults(docs: dict[str, dict]) -> list[str]:
                 lo, hi = min(v["steps_lost"]), max(v["steps_lost"])
                 return f", {v['median_steps_lost']:g} steps lost" + (f" ({lo}–{hi})" if lo != hi else "")
             others = "; ".join(f"{name} {c[variant]['median_s']:.2f} s ({c[variant]['min_s']:.2f}–{c[variant]['max_s']:.2f})"
-                               f"{lost(c[variant]) if variant == 'ram' else ''}"
-                               for variant, name in (("ram", "with the RAM tier every step"), ("cold", "cold"),
+                               f"{lost(c[variant]) if variant in ('ram', 'buddy') else ''}"
+                               for variant, name in (("ram", "with the RAM tier every step"),
+                                                     ("buddy", "in buddy placement (each machine its part and a "
+                                                               "buddy's copy)"),
+                                                     ("cold", "cold"),
                                                      ("cluster", "on MindSpore’s cluster")) if variant in c)
             d, ram = c["default"], c.get("ram")
             every = f" (disk every {mn['checkpoint_interval_steps']})" if "checkpoint_interval_steps" in mn else ""

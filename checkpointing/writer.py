@@ -37,7 +37,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import safetensors.numpy as safetensors_numpy
 
-from checkpointing import CheckpointError, checksums, layout, retention
+from checkpointing import CheckpointError, checksums, layout, parts, retention
 from checkpointing.safetensors_parts import PartsCache, parts_and_table
 import durable
 
@@ -58,15 +58,21 @@ class ShardWriter:
                  on_commit: Callable[[int], None] | None = None, keep_last: int | None = None,
                  keep_every: int = 0, commit_timeout_s: float = 300.0, low_priority: bool = True,
                  indent_manifest: bool = True, checksum: str = checksums.SHA256, recycle: bool = False,
-                 latest_hint: bool = True):
+                 latest_hint: bool = True, part: Mapping[str, int] | None = None):
         """`on_commit(step)` runs on rank 0's writer thread right after `step` is committed (an error
         it raises is reported like a failed save). `keep_last`/`keep_every`, for a writer used on
         its own, retire old checkpoints after each commit (retention.retire_old); None: never.
         `checksum`: what each shard is recorded with (checkpointing.checksums). `recycle`: what
         this writer retires, it writes the next save over (layout: `.spare/`) — the RAM tier's.
-        `latest_hint`: update `LATEST` after each commit (a hint for people; the RAM tier has none)."""
+        `latest_hint`: update `LATEST` after each commit (a hint for people; the RAM tier has none).
+        `part`: this writer's ranks commit one machine's part of the checkpoint ({slot, slots, ranks_per_slot}:
+        checkpointing.parts), its first rank the committer, `rank` and `world` the run's."""
         self.root = Path(root)
         self.rank, self.world = rank, world
+        self.part = dict(part) if part and part["slots"] > 1 else None
+        # the ranks whose shards this writer's committer collects, itself first: all, or its machine's part's
+        self.committers_ranks = parts.ranks_of(self.part) if self.part else range(world)
+        self.commits = self.committer(rank, self.part)
         self.emit = emit or (lambda stage, **info: None)
         self.on_commit = on_commit
         self.keep_last, self.keep_every = keep_last, keep_every
@@ -84,11 +90,16 @@ class ShardWriter:
         self._idle = threading.Event()
         self._idle.set()
 
+    @staticmethod
+    def committer(rank: int, part: Mapping[str, int] | None) -> bool:
+        """Whether `rank` commits: rank 0, or the first rank of its machine's `part`."""
+        return rank == (parts.ranks_of(part)[0] if part and part["slots"] > 1 else 0)
+
     def save(self, step: int, tensors: Mapping[str, np.ndarray], *, run_state: dict[str, Any] | None = None,
              versions: dict[str, str] | None = None) -> None:
         """Starts writing this rank's `tensors` (already host copies) for `step`; returns at once."""
-        if self.rank == 0 and run_state is None:
-            raise ValueError("rank 0 commits the checkpoint and must pass run_state")
+        if self.commits and run_state is None:
+            raise ValueError("the committing rank must pass run_state")
         self.ready(step)
         self.last_error = None       # from here on it describes this save
         self._idle.clear()
@@ -131,7 +142,7 @@ class ShardWriter:
         shard that never comes (the ranks judge free space each at its own moment)."""
         self.last_error = CheckpointError(reason)
         try:
-            if self.rank == 0:
+            if self.commits:
                 layout.remove_stale_saves(self.root, before_step=step)
                 return
             tmp = layout.tmp_dir(self.root, step)
@@ -156,7 +167,7 @@ class ShardWriter:
             if layout.step_dir(self.root, step).exists():
                 self.emit("exists", step=step, seconds=0.0)
                 return
-            if self.rank == 0:          # what failed saves of earlier steps left (a full disk, most often)
+            if self.commits:            # what failed saves of earlier steps left (a full disk, most often)
                 layout.remove_stale_saves(self.root, before_step=step)
             tmp.mkdir(parents=True, exist_ok=True)
             shard = layout.shard_name(self.rank, self.world)
@@ -175,16 +186,16 @@ class ShardWriter:
                       "size_bytes": sum(len(p) for p in parts),
                       "tensors": table}
             del parts
-            if self.rank != 0:          # the committer's own marker stays in its memory
+            if not self.commits:        # the committer's own marker stays in its memory
                 _write_durably(tmp / layout.marker_name(self.rank, self.world), json.dumps(marker).encode())
             durable.fsync_path(tmp)
             self.emit("written", step=step, seconds=time.monotonic() - started)
-            if self.rank == 0:
+            if self.commits:
                 self._commit(step, tmp, marker, run_state or {}, versions, started)
         except BaseException as e:   # a thread boundary: report, never kill training
             self.last_error = e
             self.emit("failed", step=step, seconds=time.monotonic() - started, error=f"{type(e).__name__}: {e}")
-            if self.rank == 0:
+            if self.commits:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return
             try:        # its own shard goes (it is space a full disk needs back) ...
@@ -203,16 +214,17 @@ class ShardWriter:
     def _commit(self, step: int, tmp: Path, own: dict, run_state: dict[str, Any], versions: dict[str, str],
                 started: float) -> None:
         """`own`: rank 0's marker, never written (only the other ranks' travel through files)."""
-        markers = [tmp / layout.marker_name(r, self.world) for r in range(1, self.world)]
+        others = self.committers_ranks[1:]
+        markers = [tmp / layout.marker_name(r, self.world) for r in others]
         deadline = time.monotonic() + self.commit_timeout_s
         while not all(m.exists() for m in markers):
             if time.monotonic() > deadline:
-                missing = [r for r, m in enumerate(markers, 1) if not m.exists()]
+                missing = [r for r, m in zip(others, markers) if not m.exists()]
                 raise CheckpointError(f"rank(s) {missing} did not finish their shard of step {step} "
                                       f"within {self.commit_timeout_s:.0f} s")
             time.sleep(0.02)
         shards, tensors = [], {}
-        for rank, info in enumerate([own, *(json.loads(m.read_text()) for m in markers)]):
+        for rank, info in zip(self.committers_ranks, [own, *(json.loads(m.read_text()) for m in markers)]):
             if "error" in info:
                 raise CheckpointError(f"rank {rank} failed to write its shard of step {step}: {info['error']}")
             shards.append({k: info[k] for k in ("file", *checksums.ALGORITHMS, "size_bytes") if k in info})
@@ -223,6 +235,8 @@ class ShardWriter:
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": self.world,
                     "created_unix_s": time.time(), "versions": versions, "shards": shards,
                     "tensors": tensors, "run_state": run_state}
+        if self.part:
+            manifest["part"] = parts.part_of_writer(self.part)
         _write_durably(tmp / layout.MANIFEST, json.dumps(manifest, indent=1 if self.indent_manifest else None,
                                                          sort_keys=True).encode())
         for m in markers:

@@ -82,7 +82,7 @@ class ProcessShardWriter:
     def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
                  keep_last: int | None = None, keep_every: int = 0, commit_timeout_s: float = 300.0,
                  low_priority: bool = True, indent_manifest: bool = True, checksum: str = checksums.SHA256,
-                 recycle: bool = False, latest_hint: bool = True):
+                 recycle: bool = False, latest_hint: bool = True, part: Mapping[str, int] | None = None):
         """The arguments are ShardWriter's (its `on_commit` hook cannot cross into the child)."""
         checksums.require(checksum)                      # said here, not by the child
         self.root = Path(root)
@@ -90,7 +90,9 @@ class ProcessShardWriter:
         self.emit = emit or (lambda stage, **info: None)
         self._options = dict(rank=rank, world=world, keep_last=keep_last, keep_every=keep_every,
                              commit_timeout_s=commit_timeout_s, indent_manifest=indent_manifest,
-                             checksum=checksum, recycle=recycle, latest_hint=latest_hint)
+                             checksum=checksum, recycle=recycle, latest_hint=latest_hint,
+                             part=dict(part) if part else None)
+        self._commits = ShardWriter.committer(rank, part)
         self.low_priority = low_priority
         self.last_error: BaseException | None = None     # of the latest save; None while it goes well
         self.last_committed: int | None = None
@@ -137,8 +139,8 @@ class ProcessShardWriter:
              versions: dict[str, str] | None = None) -> None:
         """Has the child write this rank's `tensors` for `step`; returns at once. Tensors that are not
         this writer's staging buffers are copied into them first."""
-        if self.rank == 0 and run_state is None:
-            raise ValueError("rank 0 commits the checkpoint and must pass run_state")
+        if self._commits and run_state is None:
+            raise ValueError("the committing rank must pass run_state")
         self.ready(step)
         if tensors is not self._views:
             views = self.staging(tensors)

@@ -219,6 +219,7 @@ class ParallelConfig:
 
 
 CHECKPOINT_CHECKSUMS = ("crc32c", "sha256")     # checkpointing.checksums.ALGORITHMS
+MEMORY_PLACEMENTS = ("replica", "buddy")        # checkpoint.memory_placement (checkpointing.parts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -236,6 +237,8 @@ class CheckpointConfig:
     memory_dir: str = "/dev/shm"   # where the RAM tier lives (a tmpfs); one directory per run under it
     peer_fetch_timeout_s: float = 300.0  # several machines: one back with an empty RAM tier takes the run's newest
                                          # RAM step from a peer for at most this long (else all resume from disk)
+    memory_placement: str = "replica"  # several machines: "replica" (each machine's RAM tier a whole checkpoint) or
+                                       # "buddy" (each its own part, as on disk, and a copy of a buddy machine's part)
     checksum: str = "crc32c"       # each disk shard's, in the manifest: "crc32c" (in hardware: a save's CPU ~10x
                                    # less) or "sha256" (names the content); the RAM tier's is always CRC32C
     auto_mtbf_prior_s: float = 86400.0   # "auto": the time between failures assumed before any is seen; observed
@@ -259,6 +262,7 @@ class CheckpointConfig:
         _at_least("checkpoint.auto_max_interval_steps", self.auto_max_interval_steps, self.auto_min_interval_steps)
         _choice("checkpoint.checksum", self.checksum, CHECKPOINT_CHECKSUMS)
         _in_range("checkpoint.peer_fetch_timeout_s", self.peer_fetch_timeout_s, 0.0, 1e6)
+        _choice("checkpoint.memory_placement", self.memory_placement, MEMORY_PLACEMENTS)
         if not os.path.isabs(self.memory_dir):
             _fail(f"checkpoint.memory_dir = {self.memory_dir!r} must be an absolute path (a tmpfs such as /dev/shm)")
 
@@ -454,11 +458,16 @@ class RunConfig:
     worker_memory_limit_bytes: int = 0  # > 0: each rank in its own memory cgroup with this limit (OOM is then told apart)
     devices: str = ""              # this machine's devices for its ranks, comma-separated ids in rank order ("" = the
                                    # visible-devices variable's, else 0..ranks-1); a device judged faulty is left out
+    failure_domains: str = ""      # several machines: each one's failure domain (rack, switch, power), comma-separated
+                                   # in node-rank order; a buddy copy goes to another domain ("" = each its own)
 
     def __post_init__(self) -> None:
         _at_least("run.nodes", self.nodes, 1)
         if self.devices:
             device_ids(self.devices)
+        if self.failure_domains and len(domains := failure_domains(self.failure_domains)) != self.nodes:
+            _fail(f"run.failure_domains = {self.failure_domains!r} names {len(domains)} machine(s); run.nodes = "
+                  f"{self.nodes}: one name per machine, comma-separated in node-rank order")
         _in_range("run.node_rank", self.node_rank, 0, self.nodes - 1)
         _in_range("run.master_port", self.master_port, 0, 65535)
         _in_range("run.coordinator_timeout_s", self.coordinator_timeout_s, 0.0, 1e6, open_low=True)
@@ -530,6 +539,18 @@ class RunConfig:
         logs = env.get("LOGS_DIRECTORY")
         base = Path(logs.split(":")[0]) / self.name if logs else self.resolved_dir(env) / "logs"
         return base if self.nodes == 1 else base / f"node-{self.node_rank}"     # a shared run dir: one per node
+
+
+def failure_domains(text: str) -> tuple[str, ...]:
+    """run.failure_domains as names, one per machine in node-rank order (empty: each machine its own); a one-line
+    ConfigError for an empty name."""
+    if not text:
+        return ()
+    names = tuple(x.strip() for x in text.split(","))
+    if not all(names):
+        _fail(f"run.failure_domains = {text!r} has an empty name: one name per machine, comma-separated "
+              "(\"rack-a,rack-a,rack-b,rack-b\"), or \"\" for each machine its own")
+    return names
 
 
 def device_ids(text: str) -> tuple[int, ...]:
@@ -653,10 +674,11 @@ def _check_cross_section(cfg: Config) -> None:
         _fail("checkpoint.memory_interval_steps with run.nodes > 1 and script.command: a script's RAM tier "
               "(llm_pretrain_client) is one machine's; set it to 0 (disk checkpoints only)")
     if cfg.run.nodes > 1 and cfg.checkpoint.memory_interval_steps and (
-            p.tp > 1 or p.pp > 1 or p.optimizer_shard or p.sp) and t.device != "cpu":
-        _fail("checkpoint.memory_interval_steps with run.nodes > 1 keeps a whole replica on every machine, and "
-              "parallel.tp / pp / optimizer_shard / sp split the state across machines: set it to 0 (disk "
-              "checkpoints only), or train data-parallel")
+            p.tp > 1 or p.pp > 1 or p.optimizer_shard or p.sp) and cfg.checkpoint.memory_placement == "replica":
+        _fail("checkpoint.memory_interval_steps with run.nodes > 1 and checkpoint.memory_placement = \"replica\" "
+              "keeps a whole replica on every machine, and parallel.tp / pp / optimizer_shard / sp split the state "
+              "across machines: set checkpoint.memory_placement = \"buddy\" (each machine's part and a copy of "
+              "a buddy's), or checkpoint.memory_interval_steps = 0")
     if not cfg.script.command and cfg.data.seq_len > m.max_seq_len:     # a script's model is its own
         _fail(f"data.seq_len = {cfg.data.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if t.precision == "bf16" and t.device != "ascend":

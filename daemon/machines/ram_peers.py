@@ -1,4 +1,4 @@
-"""A machine's RAM tier served to its peers, and a step taken from one (issue 50, item 2).
+"""A machine's RAM tier served to its peers (issue 50, item 2); what is taken from them is daemon.machines.ram_parts'.
 
 A machine that joins or rejoins a multi-node run with no usable RAM state (rebooted: its tmpfs empty;
 replaced; or stale, back after the run went on) would make every machine resume from the disk, since the run
@@ -7,7 +7,7 @@ peer holds the same state: the machine copies the newest step its peers all hold
 plain HTTP from that peer's daemon, into its own RAM tier, verified by the manifest's checksums before it is
 committed (renamed into place, as a save is), then says it holds it.
 
-The server answers GET /<step-dir>/<file> for committed steps only, to a request that names the run's id
+The server answers GET /<step-dir>/<file> for committed steps only (and GET /steps: their numbers), to a request that names the run's id
 (X-Llm-Pretrain-Run: the run directory's `.run-id`, which every machine of the run reads from the shared
 run directory), from a thread of the daemon; it never writes. Never imports MindSpore.
 """
@@ -19,18 +19,17 @@ import re
 import shutil
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable
 
-from checkpointing import CheckpointError, layout, reader
-from durable import fsync_path
+from checkpointing import layout
 
 RUN_HEADER = "X-Llm-Pretrain-Run"
 CHUNK = 1 << 20
 _PATH = re.compile(r"^/(step-\d{8,})/([A-Za-z0-9._-]+)$")
+STEPS = "/steps"                     # the committed steps, a JSON list (what a buddy copies: the newest)
 
 
 class RamServer:
@@ -71,6 +70,8 @@ def _handler(server: RamServer):
         def do_GET(self):                                            # noqa: N802 (http.server's name)
             if self.headers.get(RUN_HEADER) != server._run_id:
                 return self.send_error(403, "not of this run")
+            if self.path == STEPS:
+                return self._steps()
             m = _PATH.match(self.path)
             path = server.file(*m.groups()) if m else None
             if path is None:
@@ -88,6 +89,17 @@ def _handler(server: RamServer):
             except (BrokenPipeError, ConnectionResetError):
                 pass
 
+        def _steps(self):
+            root = server._root()
+            body = json.dumps(layout.committed_steps(root) if root is not None else []).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            try:
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+
         def log_message(self, *args):           # the daemon's events say what matters
             pass
 
@@ -98,48 +110,7 @@ class FetchError(RuntimeError):
     """A step could not be taken from a peer (said in one event; the run resumes from the disk)."""
 
 
-def fetch(url: str, run_id: str, step: int, into: Path, *, deadline_s: float,
-          tick: Callable[[], None] = lambda: None) -> int:
-    """Copies committed step `step` of the peer at `url` into the RAM tier `into`: its shards, then its manifest,
-    into `step-N.tmp`, verified (every shard's checksum and tensors), then renamed into place. Returns the bytes
-    copied; raises FetchError (the partial copy removed). `tick` between chunks: the daemon's watchdog."""
-    name = layout.step_name(step)
-    tmp = layout.tmp_dir(into, step)
-    started = time.monotonic()
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        into.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
-        manifest_bytes = _get(url, run_id, f"/{name}/{layout.MANIFEST}", None, deadline_s - (time.monotonic() - started))
-        manifest = json.loads(manifest_bytes)
-        copied = 0
-        for shard in manifest.get("shards") or ():
-            if not re.fullmatch(r"[A-Za-z0-9._-]+", shard["file"]):
-                raise FetchError(f"the manifest names a shard {shard['file']!r}")
-            with open(tmp / shard["file"], "wb") as out:
-                copied += _get(url, run_id, f"/{name}/{shard['file']}", out,
-                               deadline_s - (time.monotonic() - started), tick)
-        (tmp / layout.MANIFEST).write_bytes(manifest_bytes)
-        problems = reader.verify(tmp)
-        if problems:
-            raise FetchError(f"the copy of step {step} fails verification: {'; '.join(problems[:3])}")
-        for path in tmp.iterdir():
-            fsync_path(path)
-        target = layout.step_dir(into, step)
-        if target.exists():
-            raise FetchError(f"{target} exists already")
-        tmp.rename(target)
-        fsync_path(into)
-        return copied
-    except FetchError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except (OSError, ValueError, KeyError, TypeError, CheckpointError, urllib.error.URLError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise FetchError(f"taking step {step} from {url} failed: {e}") from e
-
-
-def _get(url: str, run_id: str, path: str, out, left_s: float, tick: Callable[[], None] = lambda: None):
+def get(url: str, run_id: str, path: str, out, left_s: float, tick: Callable[[], None] = lambda: None):
     """The body of GET `path` (into `out`, returning its length, or as bytes when `out` is None)."""
     if left_s <= 0:
         raise FetchError(f"out of time taking {path} from {url}")

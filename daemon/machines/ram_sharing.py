@@ -10,7 +10,10 @@ from typing import Collection
 
 from contracts.protocol import ExitCode
 from daemon.acting.peers import PeersUnavailableError
-from daemon.machines import memory_agreement, ram_peers
+from checkpointing import CheckpointError, layout, parts, reader
+from contracts.config import failure_domains
+from daemon.machines import memory_agreement, ram_parts, ram_peers
+from daemon.machines.buddy_copies import BuddyCopies
 from daemon.machines.etcd_client import EtcdError
 from daemon.machines.membership import POLL_S, Membership
 from daemon.processes.run_files import RunFiles
@@ -26,6 +29,8 @@ class RamSharing:
         self.files: RunFiles | None = None           # the run's files (set at start)
         self._taken: set[int] = set()                # RAM steps taken from a peer (memory_agreement counts them)
         self._asked: set[tuple[int, int]] = set()    # (step, generation) the decider asked this node to take
+        self.buddy = membership.cfg.checkpoint.memory_placement == "buddy"
+        self.copies: BuddyCopies | None = None        # this generation's copies of buddies' parts (buddy placement)
 
     def start(self, files: RunFiles) -> None:
         """Serves this machine's RAM tier (after the membership's start: the run's id); a follower that waits
@@ -41,23 +46,73 @@ class RamSharing:
         self.m.while_waiting = self.serve_take
 
     def close(self) -> None:
+        self.stop_copies(None)
         if self.server is not None:
             self.server.close()
+
+    def start_copies(self, files: RunFiles, members: tuple[int, ...]) -> None:
+        """Buddy placement: this generation's copies of the parts of the members this machine is the buddy of
+        (daemon.machines.buddy_copies), while its ranks train."""
+        root = files.memory_root()
+        if not (self.buddy and files.memory_tier and root is not None and len(members) > 1):
+            return
+        files.buddy_copy_step = 0
+
+        def copied(step: int) -> None:
+            files.buddy_copy_step = step
+
+        self.copies = BuddyCopies(root=root, run_id=self.m.run_id, node=self.coord.node, members=members,
+                                  domains=failure_domains(self.cfg.run.failure_domains), on_copied=copied,
+                                  urls=lambda: {n: str(v.get("url") or "") for n, v in self.coord.held().items()
+                                                if isinstance(v, dict)}).start()
+
+    def stop_copies(self, ledger: Ledger | None) -> None:
+        """The generation's ranks are gone: its copies stop, said in one event."""
+        copies, self.copies = self.copies, None
+        if copies is None:
+            return
+        copies.stop()
+        if ledger is not None and copies.peers:
+            ledger.emit("buddy_copies", peers=copies.peers, copies=copies.count, newest=copies.newest(),
+                        failed=copies.failures, detail=(
+                            f"this machine kept {copies.count} copies of node(s) {copies.peers}'s RAM-tier parts "
+                            f"this generation, the newest of step {copies.newest()}"
+                            + (f"; {copies.failures} passed over ({copies.last_error})" if copies.failures else "")))
 
     def say_held(self, ledger: Ledger, files: RunFiles) -> None:
         """This machine's RAM-tier steps, said once its ranks are gone (between generations; a lost etcd write
         only makes the decider wait for it, then count this machine's RAM as empty)."""
+        self.stop_copies(ledger)
         if files.memory_tier:
             self._publish_held(ledger, files)
+
+    def holdings(self, files: RunFiles) -> tuple[list[int], dict[int, tuple[frozenset[int], int]]]:
+        """The RAM tier's steps this machine holds whole, and (buddy placement) those it holds parts of:
+        {step: (slots, of how many)}, from their manifests (checkpointing.parts)."""
+        steps = files.memory_steps()
+        root = files.memory_root()
+        if not self.buddy or root is None:
+            return steps, {}
+        whole, in_parts = [], {}
+        for step in steps:
+            try:
+                held = parts.slots(reader.read_manifest(layout.step_dir(root, step)))
+            except (CheckpointError, OSError):
+                continue
+            if held is None or len(held[0]) == held[1]:
+                whole.append(step)
+            else:
+                in_parts[step] = held
+        return whole, in_parts
 
     def _publish_held(self, ledger: Ledger, files: RunFiles, **more) -> None:
         """A daemon that joined since generation `joined_at` began has run no rank of it: its record is of that
         one. What it took from a peer is said as such (memory_agreement: a machine back counts those only)."""
-        steps = files.memory_steps()
+        steps, in_parts = self.holdings(files)
         try:
             self.coord.publish_held(memory_agreement.record(
                 max(ledger.state.generation, self.m.joined_at or 0), steps, url=self.server.url if self.server
-                else "", taken=sorted(self._taken & set(steps)), **more))
+                else "", taken=sorted(self._taken & set(steps)), parts=in_parts, **more))
         except EtcdError:
             pass
 
@@ -77,8 +132,9 @@ class RamSharing:
             members = (set(self.m.live()) & set(last_members)) | {self.coord.node}
         began, asked = self.clock(), set()
         while True:
+            whole, in_parts = self.holdings(files)
             got = memory_agreement.agree(members, self.coord.held(), last_generation=number, last_members=last_members,
-                                         own=self.coord.node, own_steps=files.memory_steps(),
+                                         own=self.coord.node, own_steps=whole, own_parts=in_parts,
                                          disk_step=files.committed_step())
             if got.heard and got.take is None:
                 return got.steps
@@ -125,26 +181,30 @@ class RamSharing:
         self._take(ledger, files, key[0], [str(u) for u in request.get("urls") or ()])
 
     def _take(self, ledger: Ledger, files: RunFiles, step: int, urls: list[str]) -> None:
-        """Step `step` copied from the first peer of `urls` that serves it whole (daemon.machines.ram_peers), said
-        in the etcd record (fetching, then taken or failed) and in one event either way."""
+        """Step `step` made whole here from the peers at `urls` (daemon.machines.ram_parts.take: a whole copy from
+        one, or the parts this machine lacks from those that hold them), said in the etcd record (fetching, then
+        taken or failed) and in one event either way."""
         root = files.memory_root()
-        started, failures = self.clock(), []
+        started = self.clock()
+        urls = [u for u in urls if not self.server or u != self.server.url]
         self._publish_held(ledger, files, fetching=step)
-        for url in urls[:2] if root is not None else ():   # a transfer that breaks: once more, from another peer
+        error = "no RAM tier here"
+        for attempt in (1, 2) if root is not None else ():     # a transfer that breaks: once more
             try:
-                copied = ram_peers.fetch(url, self.m.run_id, step, root,
-                                         deadline_s=started + self.cfg.checkpoint.peer_fetch_timeout_s - self.clock(),
-                                         tick=ledger.tick)
+                copied, given = ram_parts.take(urls, self.m.run_id, step, root, tick=ledger.tick,
+                                               deadline_s=started + self.cfg.checkpoint.peer_fetch_timeout_s
+                                               - self.clock())
             except ram_peers.FetchError as e:
-                failures.append(str(e))
+                error = str(e)
                 continue
             self._taken.add(step)
             self._publish_held(ledger, files)
-            ledger.emit("ram_taken_from_peer", step=step, peer=url, bytes=copied,
-                        seconds=round(self.clock() - started, 3),
-                        detail=f"this machine's RAM tier lacked step {step}, the run's newest: copied from {url}")
+            ledger.emit("ram_taken_from_peer", step=step, peer=given[0] if given else "", peers=given, bytes=copied,
+                        seconds=round(self.clock() - started, 3), detail=(
+                            f"this machine's RAM tier lacked step {step}, the run's newest"
+                            + (" whole" if self.buddy else "") + f": copied from {', '.join(given) or 'itself'}"))
             return
         self._publish_held(ledger, files, failed=step)
-        ledger.emit("ram_take_failed", level="warning", step=step, peers=urls[:2], detail=(
-            f"step {step} could not be taken from a peer ({'; '.join(failures) or 'no RAM tier here'}): the run "
+        ledger.emit("ram_take_failed", level="warning", step=step, peers=urls, detail=(
+            f"step {step} could not be taken from a peer ({error}): the run "
             "resumes from the newest step every machine holds, or the disk's"))

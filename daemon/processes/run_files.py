@@ -62,6 +62,8 @@ class RunFiles:
         self.node = cfg.run.node_rank          # this machine's own index (a generation's config numbers its slot)
         self.single_machine = cfg.run.nodes == 1   # several: the RAM step is agreed (daemon.machines.memory_agreement)
         self.agreed_step: int | None = None   # several machines: the step the generation's ranks resume from
+        self.buddy_copy_step = 0        # checkpoint.memory_placement = "buddy": the newest step a buddy's part was
+                                        # copied into (daemon.machines.buddy_copies; retention keeps it)
         self.memory_tier = bool(cfg.checkpoint.memory_interval_steps)
         self._seq = 0
         self.fence_generation = 0       # several machines: commands are stamped with their generation
@@ -257,7 +259,8 @@ class RunFiles:
         if memory is None:
             return []
         steps = layout.committed_steps(memory)
-        protected = protected_steps(steps, incidents, cfg, current_step=current_step)
+        protected = protected_steps(steps, incidents, cfg, current_step=current_step) | (
+            {self.buddy_copy_step} if self.buddy_copy_step else set())
         try:
             return retention.retire_old(memory, keep_last=MEMORY_KEEP, protected=protected, recycle=True)
         except OSError:            # the tmpfs refused: tried again at the next commit; never the daemon's end

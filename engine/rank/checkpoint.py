@@ -29,7 +29,7 @@ import numpy as np
 import safetensors
 
 import checkpointing
-from checkpointing import checksums, layout, partition, reader, retention
+from checkpointing import checksums, layout, partition, parts, reader, retention
 from checkpointing.writer import ShardWriter
 from checkpointing.writer_process import ProcessShardWriter
 from contracts.config import Config, config_hash, trajectory_dict
@@ -91,7 +91,12 @@ class TrainerCheckpoints:
         self.local_world = local_world or self.world
         self.local_rank = self.rank % self.local_world
         self.node = node
-        self.memory_plan = (self.plan if self.sliced or self.local_world == self.world
+        # checkpoint.memory_placement = "buddy" on several machines: the machine's ranks write the disk's plan's shares
+        # of theirs alone, its part (checkpointing.parts); a buddy machine keeps a copy of it
+        self.memory_part = ({"slot": self.rank // self.local_world, "slots": self.world // self.local_world,
+                             "ranks_per_slot": self.local_world}
+                            if cfg.checkpoint.memory_placement == "buddy" and self.local_world < self.world else None)
+        self.memory_plan = (self.plan if self.sliced or self.local_world == self.world or self.memory_part
                             else partition.assign(sizes, self.local_world))
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
@@ -103,7 +108,10 @@ class TrainerCheckpoints:
         # memory tier or not -> (its writer's staging buffers by name, [(parameter, its buffer)])
         self._copies: dict[bool, tuple[dict, list]] = {}
         # in a process of its own: as a thread, its Python held the GIL the step needed (checkpointing.writer_process)
-        self.memory_writer = (ProcessShardWriter(self.memory_root, rank=self.local_rank, world=self.local_world,
+        self.memory_rank = self.rank if self.memory_part else self.local_rank
+        self.memory_writer = (ProcessShardWriter(self.memory_root, rank=self.memory_rank,
+                                          world=self.world if self.memory_part else self.local_world,
+                                          part=self.memory_part,
                                           emit=self._emit_memory, keep_last=None if supervised else MEMORY_KEEP,
                                           indent_manifest=False,
                                           checksum=checksums.CRC32C, recycle=True,
@@ -162,7 +170,7 @@ class TrainerCheckpoints:
             return
         started = time.monotonic()
         if memory not in self._copies:                 # this rank's parameters, each with its buffer
-            plan, me = (self.memory_plan, self.local_rank) if memory else (self.plan, self.rank)
+            plan, me = (self.memory_plan, self.memory_rank) if memory else (self.plan, self.rank)
             owned = ([(p, f"rank{self.rank}/{p.name}") for p in held(self.params)] if self.sliced else
                      [(p, p.name) for p in self.params if plan[p.name] == me])
             buffers = writer.staging({name: p.asnumpy() for p, name in owned})   # semi-auto: this rank's slices
@@ -243,7 +251,8 @@ class TrainerCheckpoints:
         # agreed on it (without them, as under msrun alone, every machine resumes from the disk)
         memory = self.memory_root if agreed_step is not None or self.local_world == self.world else None
         found = reader.find_newest(self.root, memory, on_corrupt=corrupt, at_most=agreed_step, accept=lambda m: (
-            m["run_state"].get("config_hash") == config_hash(self.cfg)
+            parts.is_whole(m)                     # a machine's part: whole once the daemons brought the rest
+            and m["run_state"].get("config_hash") == config_hash(self.cfg)
             and not parallel.resume_refusal(m["run_state"].get("parallel_layout"), self.parallelism)))
         got = found[1]["run_state"]["step"] if found else 0
         if agreed_step is not None and got != agreed_step:

@@ -7,7 +7,8 @@ from safetensors.numpy import load_file
 
 from checkpointing import layout, reader
 from checkpointing.writer import ShardWriter
-from daemon.machines.ram_peers import FetchError, RamServer, fetch
+from daemon.machines.ram_parts import take
+from daemon.machines.ram_peers import FetchError, RamServer
 
 
 
@@ -33,7 +34,8 @@ def test_a_step_is_copied_whole_verified_and_committed(tmp_path, peer):
     root, server = peer
     _commit(root, 7)
     mine = tmp_path / "mine"
-    copied = fetch(server.url, "run-a", 7, mine, deadline_s=30)
+    copied, given = take([server.url], "run-a", 7, mine, deadline_s=30)
+    assert given == [server.url]
     assert layout.committed_steps(mine) == [7] and reader.verify(layout.step_dir(mine, 7)) == []
     assert copied == sum(f.stat().st_size for f in layout.step_dir(root, 7).glob("*.safetensors"))
     got = load_file(layout.step_dir(mine, 7) / layout.shard_name(1, 2))
@@ -45,15 +47,15 @@ def test_another_runs_request_a_step_not_held_and_a_corrupt_copy_fail_and_leave_
     step = _commit(root, 7)
     mine = tmp_path / "mine"
     with pytest.raises(FetchError, match="403"):
-        fetch(server.url, "run-b", 7, mine, deadline_s=30)
+        take([server.url], "run-b", 7, mine, deadline_s=30)
     with pytest.raises(FetchError, match="404"):
-        fetch(server.url, "run-a", 8, mine, deadline_s=30)
+        take([server.url], "run-a", 8, mine, deadline_s=30)
     shard = step / layout.shard_name(0, 2)
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF                               # a bit flipped on the peer (or on the wire)
     shard.write_bytes(bytes(data))
     with pytest.raises(FetchError, match="fails verification"):
-        fetch(server.url, "run-a", 7, mine, deadline_s=30)
+        take([server.url], "run-a", 7, mine, deadline_s=30)
     assert layout.committed_steps(mine) == [] and not list(mine.glob("*.tmp"))
 
 
@@ -61,6 +63,6 @@ def test_a_peer_gone_mid_transfer_fails_within_the_deadline(tmp_path, peer):
     root, server = peer
     _commit(root, 7)
     server.close()                                 # the peer's daemon is gone
-    with pytest.raises(FetchError, match="failed"):
-        fetch(server.url, "run-a", 7, tmp_path / "mine", deadline_s=5)
+    with pytest.raises(FetchError, match="no peer gave"):
+        take([server.url], "run-a", 7, tmp_path / "mine", deadline_s=5)
     assert not list((tmp_path / "mine").glob("step-*"))
