@@ -23,6 +23,7 @@ import re
 import shutil
 import uuid
 from pathlib import Path
+from typing import Collection
 
 from durable import fsync_path
 
@@ -99,10 +100,11 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(s for s in steps if s is not None)
 
 
-def retire(root: Path, step: int, *, recycle: bool = False) -> None:
+def retire(root: Path, step: int, *, recycle: bool | Collection[str] = False) -> None:
     """Deletes a committed checkpoint so that a crash midway never leaves a partial `step-N/`:
     it stops being a checkpoint at the rename, before any file goes. `recycle`: its shards go to
-    `.spare/` (replacing older spares of the same name) for the next save to write over."""
+    `.spare/` (replacing older spares of the same name) for the next save to write over — all, or those
+    of the names given (the ranks' own here: a buddy's copied shards no writer here writes over)."""
     doomed = root / f"{step_name(step)}.deleting"
     try:
         os.rename(step_dir(root, step), doomed)
@@ -113,7 +115,8 @@ def retire(root: Path, step: int, *, recycle: bool = False) -> None:
         spare = root / SPARE
         spare.mkdir(exist_ok=True)
         for name in os.listdir(doomed):
-            if name.startswith("shard-") and name.endswith(".safetensors"):
+            if name.startswith("shard-") and name.endswith(".safetensors") and (
+                    recycle is True or name in recycle):
                 os.rename(doomed / name, spare / name)     # over an older spare of the name
     shutil.rmtree(doomed, ignore_errors=True)
 

@@ -27,7 +27,7 @@ def select_for_deletion(steps: Sequence[int], *, keep_last: int, keep_every: int
 
 
 def retire_old(root: str | Path, *, keep_last: int, keep_every: int = 0,
-               protected: Collection[int] = (), recycle: bool = False) -> list[int]:
+               protected: Collection[int] = (), recycle: bool | Collection[str] = False) -> list[int]:
     """Retires (layout.retire, with `recycle`) every committed checkpoint under `root` that
     select_for_deletion picks; returns their steps, ascending."""
     root = Path(root)

@@ -15,7 +15,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from contracts.config import EMBEDDED, Config, run_endpoints, with_changes
+from contracts.config import EMBEDDED, Config, failure_domains, run_endpoints, with_changes
 from contracts.elastic import shape_on
 from contracts.protocol import ExitCode
 from daemon.acting.peers import Opened, PeersUnavailableError
@@ -155,23 +155,7 @@ class GenerationHandshake:
                       scheduler=False)
 
     def _shaped(self, base: Config, changes: dict, members: tuple[int, ...], scheduler_addr: str) -> Config:
-        """The config of a generation of `members`: the policy's changes, the data-parallel size of
-        these nodes with the same global batch (contracts.elastic), the same on every node, and where
-        the decider's MindSpore scheduler listens."""
-        merged = dict(changes)
-        micro = merged.get("train.micro_batch", base.train.micro_batch)
-        per_node = base.parallel.world_size // base.run.nodes
-        shape = shape_on(len(members), ranks_per_node=per_node, model_parallel=base.parallel.tp * base.parallel.pp,
-                         global_batch=base.train.global_batch, micro_batch=micro)
-        if shape is None:       # refused when the config was read (contracts.config._check_elastic)
-            raise PeersUnavailableError(f"no shape keeps train.global_batch on {len(members)} nodes", ExitCode.CONFIG_ERROR)
-        slot = members.index(self.coord.node) if self.coord.node in members else 0
-        merged.update({"parallel.dp": shape.dp, "train.micro_batch": shape.micro_batch,
-                       "train.grad_accum_steps": shape.grad_accum_steps, "run.nodes": len(members),
-                       "run.node_rank": slot, "run.min_nodes": 0, "run.master_addr": scheduler_addr})
-        if base.run.coordinator == EMBEDDED:       # the same etcd, named as the generation's (fewer) nodes allow
-            merged["run.coordinator"] = "etcd://" + ",".join(f"{h}:{p}" for h, p in run_endpoints(base.run))
-        return with_changes(base, merged)
+        return generation_config(base, changes, members, self.coord.node, scheduler_addr)
 
     def _ranks(self, members: tuple[int, ...]) -> tuple[int, ...]:
         per_node = self.cfg.parallel.world_size // self.cfg.run.nodes
@@ -303,3 +287,26 @@ def _outcome(cause: dict) -> watch.Outcome:
     if kind == "regroup":
         return watch.Regroup(cause.get("step"), tuple(cause.get("nodes") or ()))
     return watch.Finished(cause.get("step"))
+
+
+def generation_config(base: Config, changes: dict, members: tuple[int, ...], node: int, scheduler_addr: str) -> Config:
+    """The config of a generation of `members` on node `node`: the policy's changes, the data-parallel size of
+    these nodes with the same global batch (contracts.elastic), the same on every node, and where
+    the decider's MindSpore scheduler listens."""
+    merged = dict(changes)
+    micro = merged.get("train.micro_batch", base.train.micro_batch)
+    per_node = base.parallel.world_size // base.run.nodes
+    shape = shape_on(len(members), ranks_per_node=per_node, model_parallel=base.parallel.tp * base.parallel.pp,
+                     global_batch=base.train.global_batch, micro_batch=micro)
+    if shape is None:       # refused when the config was read (contracts.config._check_elastic)
+        raise PeersUnavailableError(f"no shape keeps train.global_batch on {len(members)} nodes", ExitCode.CONFIG_ERROR)
+    slot = members.index(node) if node in members else 0
+    merged.update({"parallel.dp": shape.dp, "train.micro_batch": shape.micro_batch,
+                   "train.grad_accum_steps": shape.grad_accum_steps, "run.nodes": len(members),
+                   "run.node_rank": slot, "run.min_nodes": 0, "run.master_addr": scheduler_addr})
+    if base.run.failure_domains:               # one name per machine of the generation, in its order
+        names = failure_domains(base.run.failure_domains)
+        merged["run.failure_domains"] = ",".join(names[n] for n in members)
+    if base.run.coordinator == EMBEDDED:       # the same etcd, named as the generation's (fewer) nodes allow
+        merged["run.coordinator"] = "etcd://" + ",".join(f"{h}:{p}" for h, p in run_endpoints(base.run))
+    return with_changes(base, merged)

@@ -113,10 +113,10 @@ def agree(members: Collection[int], held: Mapping[int, Any], *, last_generation:
     if unheard:
         return Agreement(heard=False, steps=tuple(sorted(common)), unheard=tuple(unheard), fetching=tuple(fetching))
     done = Agreement(heard=True, steps=tuple(sorted(common)))
-    if any(s > disk_step for s in common):
+    from_parts = _whole_from_parts(in_parts)          # buddy placement: newer than any step all hold whole, often
+    if any(s > disk_step for s in common) and not any(s > max(common) for s in from_parts - failed):
         return done
-    newest = max((s for steps in (*trusted.values(), _whole_from_parts(in_parts)) for s in steps if s > disk_step),
-                 default=None)
+    newest = max((s for steps in (*trusted.values(), from_parts) for s in steps if s > disk_step), default=None)
     if newest is None or newest in failed:
         return done
     holders = [n for n in trusted if newest in trusted[n]] + [n for n in trusted if newest in in_parts[n]]

@@ -71,7 +71,7 @@ class Nodes:
             files.agreed_step = opened.resume_step if files.memory_tier else None
             if files.memory_tier:
                 files.retire_memory_after(opened.resume_step)
-                self.ram.start_copies(files, opened.members)     # buddy placement: copies of buddies' parts
+                self.ram.start_copies(files, opened)     # buddy placement: copies of buddies' parts
         return opened
 
     def hear(self, number: int, now: float, *, idle_s: float = 0.0) -> watch.Outcome | None:

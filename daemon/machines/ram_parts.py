@@ -12,6 +12,7 @@ imports MindSpore.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -26,21 +27,24 @@ from daemon.machines.ram_peers import STEPS, FetchError, get
 import durable
 
 _FILE = re.compile(r"[A-Za-z0-9._-]+")
-_FAILURES = (OSError, ValueError, KeyError, TypeError, CheckpointError, urllib.error.URLError)
+_FAILURES = (OSError, ValueError, KeyError, TypeError, CheckpointError, urllib.error.URLError,
+             http.client.HTTPException)              # a peer gone mid-response: IncompleteRead
 
 
-def take(urls: Sequence[str], run_id: str, step: int, into: Path, *, deadline_s: float,
+def take(urls: Sequence[str], run_id: str, step: int, into: Path, *, deadline_s: float, trust_own: bool = True,
          tick: Callable[[], None] = lambda: None) -> tuple[int, list[str]]:
     """Makes committed step `step` whole in the RAM tier `into` from the peers at `urls` (tried in order; each
-    gives what it holds that is still lacking). Returns (bytes copied, the peers that gave); raises FetchError,
-    the partial copy removed and any part already here kept."""
+    gives what it holds that is still lacking). `trust_own`: what `into` holds of the step is this run's history
+    (this machine ran the last generation); else it is another's (trained before a rollback, or while the run went
+    on without it) and is replaced whole. Returns (bytes copied, the peers that gave); raises FetchError, the
+    partial copy removed and any part already here kept."""
     name, own, tmp = layout.step_name(step), layout.step_dir(into, step), layout.tmp_dir(into, step)
     started, failures, given, copied = time.monotonic(), [], [], 0
     left = lambda: deadline_s - (time.monotonic() - started)       # noqa: E731
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         into.mkdir(parents=True, exist_ok=True)
-        have = [reader.read_manifest(own)] if own.is_dir() else []
+        have = [reader.read_manifest(own)] if own.is_dir() and trust_own else []
         if have and parts.is_whole(have[0]):
             return 0, []
         tmp.mkdir()
@@ -126,11 +130,12 @@ def _put_in_place(into: Path, step: int, tmp: Path) -> None:
 
 
 def copy_part(url: str, run_id: str, slot: int, into: Path, *, after: int, deadline_s: float,
-              tick: Callable[[], None] = lambda: None) -> int | None:
+              tick: Callable[[], None] = lambda: None, copying: Callable[[int], None] = lambda step: None) -> int | None:
     """Copies the part of slot `slot` from the peer at `url` (its own) into this machine's `step-N/` of the
     newest step after `after` it holds too, its own part there. Returns the step copied, or None (no newer step
     both hold; or one this machine already holds whole or with that slot). Raises FetchError, or OSError where the
-    step was retired meanwhile (the next round copies a newer one)."""
+    step was retired meanwhile (the next round copies a newer one). `copying(step)`: before the transfer (retention
+    keeps that step meanwhile); `tick` between chunks (it may raise to stop the copy)."""
     started = time.monotonic()
     left = lambda: deadline_s - (time.monotonic() - started)       # noqa: E731
     try:
@@ -139,6 +144,7 @@ def copy_part(url: str, run_id: str, slot: int, into: Path, *, after: int, deadl
         if step is None:
             return None
         own = layout.step_dir(into, step)
+        copying(step)
         mine = reader.read_manifest(own)
         held = parts.slots(mine)
         if held is None or slot in held[0]:
@@ -152,18 +158,22 @@ def copy_part(url: str, run_id: str, slot: int, into: Path, *, after: int, deadl
             if not _FILE.fullmatch(shard["file"]):
                 raise FetchError(f"the manifest names a shard {shard['file']!r}")
             partial = own / f".{shard['file']}.copy"
-            with open(partial, "wb") as out:
-                get(url, run_id, f"/{name}/{shard['file']}", out, left(), tick)
-            recorded = checksums.recorded(shard)
-            if recorded is None or checksums.file_digest(partial, recorded[0]) != recorded[1]:
-                partial.unlink(missing_ok=True)
-                raise FetchError(f"{shard['file']} of step {step} from {url} fails its checksum")
-            durable.fsync_path(partial)
-            os.rename(partial, own / shard["file"])
+            try:
+                with open(partial, "wb") as out:
+                    get(url, run_id, f"/{name}/{shard['file']}", out, left(), tick)
+                recorded = checksums.recorded(shard)
+                if recorded is None or checksums.file_digest(partial, recorded[0]) != recorded[1]:
+                    raise FetchError(f"{shard['file']} of step {step} from {url} fails its checksum")
+                durable.fsync_path(partial)
+                tick()                                  # nothing is put in place once the caller stopped
+                os.rename(partial, own / shard["file"])
+            finally:
+                partial.unlink(missing_ok=True)          # a copy that broke off: nothing of it stays
         durable.fsync_path(own)
         copy = {**theirs, "shards": shards, "tensors": tensors, "part": {**theirs["part"], "slots": [slot]}}
+        tick()
         durable.write_atomically(own / layout.MANIFEST, json.dumps(parts.merge([mine, copy]), sort_keys=True)
                                  .encode())
         return step
-    except (ValueError, KeyError, TypeError, CheckpointError, urllib.error.URLError) as e:
+    except (ValueError, KeyError, TypeError, CheckpointError, urllib.error.URLError, http.client.HTTPException) as e:
         raise FetchError(f"copying slot {slot}'s part from {url} failed: {e}") from e

@@ -9,7 +9,7 @@ import time
 from typing import Collection
 
 from contracts.protocol import ExitCode
-from daemon.acting.peers import PeersUnavailableError
+from daemon.acting.peers import Opened, PeersUnavailableError
 from checkpointing import CheckpointError, layout, parts, reader
 from contracts.config import failure_domains
 from daemon.machines import memory_agreement, ram_parts, ram_peers
@@ -50,19 +50,22 @@ class RamSharing:
         if self.server is not None:
             self.server.close()
 
-    def start_copies(self, files: RunFiles, members: tuple[int, ...]) -> None:
+    def start_copies(self, files: RunFiles, opened: Opened) -> None:
         """Buddy placement: this generation's copies of the parts of the members this machine is the buddy of
         (daemon.machines.buddy_copies), while its ranks train."""
+        files.buddy_kept = frozenset()               # the last generation's copies are retired as any step now
+        if self.buddy:                               # what this machine's ranks write over when retired
+            files.own_shards = frozenset(layout.shard_name(r, opened.cfg.parallel.world_size) for r in opened.ranks)
+        members = opened.members
         root = files.memory_root()
         if not (self.buddy and files.memory_tier and root is not None and len(members) > 1):
             return
-        files.buddy_copy_step = 0
 
-        def copied(step: int) -> None:
-            files.buddy_copy_step = step
+        def kept(steps: frozenset[int]) -> None:
+            files.buddy_kept = steps
 
         self.copies = BuddyCopies(root=root, run_id=self.m.run_id, node=self.coord.node, members=members,
-                                  domains=failure_domains(self.cfg.run.failure_domains), on_copied=copied,
+                                  domains=failure_domains(self.cfg.run.failure_domains), on_kept=kept,
                                   urls=lambda: {n: str(v.get("url") or "") for n, v in self.coord.held().items()
                                                 if isinstance(v, dict)}).start()
 
@@ -73,7 +76,8 @@ class RamSharing:
             return
         copies.stop()
         if ledger is not None and copies.peers:
-            ledger.emit("buddy_copies", peers=copies.peers, copies=copies.count, newest=copies.newest(),
+            ledger.emit("buddy_copies", level="warning" if copies.failures and not copies.count else "info",
+                        peers=copies.peers, copies=copies.count, newest=copies.newest(),
                         failed=copies.failures, detail=(
                             f"this machine kept {copies.count} copies of node(s) {copies.peers}'s RAM-tier parts "
                             f"this generation, the newest of step {copies.newest()}"
@@ -138,14 +142,14 @@ class RamSharing:
                                          disk_step=files.committed_step())
             if got.heard and got.take is None:
                 return got.steps
-            if got.take is not None and self.coord.node in got.lacking and (self.coord.node, got.take) not in asked:
-                asked.add((self.coord.node, got.take))           # this daemon lacks it too: taken here, once
-                self._take(ledger, files, got.take, list(got.sources))
-                continue
             for node in got.lacking:                     # each asked once; it says what it holds after
                 if (node, got.take) not in asked and node != self.coord.node:
                     asked.add((node, got.take))
                     self._ask_take(node, {"generation": number, "step": got.take, "urls": list(got.sources)})
+            if got.take is not None and self.coord.node in got.lacking and (self.coord.node, got.take) not in asked:
+                asked.add((self.coord.node, got.take))           # this daemon lacks it too: taken here, once, while
+                self._take(ledger, files, got.take, list(got.sources))     # the others take theirs
+                continue
             deadline = began + self.cfg.run.kill_grace_s + self.coord.ttl_s + (
                 self.cfg.checkpoint.peer_fetch_timeout_s if got.fetching or asked else 0.0)
             if stopping():                              # the run stops: no generation follows
@@ -187,11 +191,13 @@ class RamSharing:
         root = files.memory_root()
         started = self.clock()
         urls = [u for u in urls if not self.server or u != self.server.url]
+        # what this machine holds of the step is the run's only where it ran the last generation (memory_agreement)
+        trust_own = self.coord.node in ((self.coord.generation() or {}).get("members") or ())
         self._publish_held(ledger, files, fetching=step)
         error = "no RAM tier here"
         for attempt in (1, 2) if root is not None else ():     # a transfer that breaks: once more
             try:
-                copied, given = ram_parts.take(urls, self.m.run_id, step, root, tick=ledger.tick,
+                copied, given = ram_parts.take(urls, self.m.run_id, step, root, tick=ledger.tick, trust_own=trust_own,
                                                deadline_s=started + self.cfg.checkpoint.peer_fetch_timeout_s
                                                - self.clock())
             except ram_peers.FetchError as e:

@@ -62,8 +62,11 @@ class RunFiles:
         self.node = cfg.run.node_rank          # this machine's own index (a generation's config numbers its slot)
         self.single_machine = cfg.run.nodes == 1   # several: the RAM step is agreed (daemon.machines.memory_agreement)
         self.agreed_step: int | None = None   # several machines: the step the generation's ranks resume from
-        self.buddy_copy_step = 0        # checkpoint.memory_placement = "buddy": the newest step a buddy's part was
-                                        # copied into (daemon.machines.buddy_copies; retention keeps it)
+        # checkpoint.memory_placement = "buddy": the steps a buddy's part is being or was last copied into
+        # (daemon.machines.buddy_copies; retention keeps them), and the shards this machine's ranks write (the rest
+        # of a retired step, copies, are not recycled: no writer here would write over them)
+        self.buddy_kept: frozenset[int] = frozenset()
+        self.own_shards: frozenset[str] | None = None
         self.memory_tier = bool(cfg.checkpoint.memory_interval_steps)
         self._seq = 0
         self.fence_generation = 0       # several machines: commands are stamped with their generation
@@ -259,10 +262,10 @@ class RunFiles:
         if memory is None:
             return []
         steps = layout.committed_steps(memory)
-        protected = protected_steps(steps, incidents, cfg, current_step=current_step) | (
-            {self.buddy_copy_step} if self.buddy_copy_step else set())
+        protected = protected_steps(steps, incidents, cfg, current_step=current_step) | self.buddy_kept
         try:
-            return retention.retire_old(memory, keep_last=MEMORY_KEEP, protected=protected, recycle=True)
+            return retention.retire_old(memory, keep_last=MEMORY_KEEP, protected=protected,
+                                        recycle=True if self.own_shards is None else self.own_shards)
         except OSError:            # the tmpfs refused: tried again at the next commit; never the daemon's end
             return []
 

@@ -104,7 +104,7 @@ def test_the_copies_follow_the_newest_step_while_the_ranks_train(machines):
     urls = {n: s.url for n, s in enumerate(servers)}
     seen = []
     copies = BuddyCopies(root=roots[0], run_id="run-a", node=0, members=[0, 1, 2], domains=(),
-                         urls=lambda: urls, on_copied=seen.append).start()
+                         urls=lambda: urls, on_kept=seen.append).start()
     try:
         assert copies.peers == [2]
         for step in (1, 2, 3):
@@ -116,9 +116,43 @@ def test_the_copies_follow_the_newest_step_while_the_ranks_train(machines):
             assert copies.newest() == step
     finally:
         copies.stop()
-    assert seen[-1] == 3 and seen == sorted(seen)
+    # retention keeps the step being copied and the newest copied: at the end, step 3 alone
+    assert seen[-1] == frozenset({3})
+    assert copies.failures == 0 and copies.count == 3
     for step in (1, 2, 3):
         manifest = json.loads((layout.step_dir(roots[0], step) / layout.MANIFEST).read_text())
         assert parts.slots(manifest) == (frozenset({0, 2}), 3)
         got = load_file(layout.step_dir(roots[0], step) / layout.shard_name(5, 6))
         assert np.array_equal(got["w5"], _value(5, step))
+
+
+def test_retiring_a_step_recycles_this_machines_own_shards_and_deletes_the_copies(machines):
+    roots, servers = machines
+    _commit_part(roots[0], 7, 0)
+    _commit_part(roots[2], 7, 2)
+    assert copy_part(servers[2].url, "run-a", 2, roots[0], after=0, deadline_s=30) == 7
+    layout.retire(roots[0], 7, recycle={layout.shard_name(r, 6) for r in (0, 1)})
+    assert sorted(p.name for p in (roots[0] / layout.SPARE).iterdir()) == [layout.shard_name(0, 6),
+                                                                           layout.shard_name(1, 6)]
+    assert layout.committed_steps(roots[0]) == []
+
+
+def test_a_peer_that_never_answers_does_not_hold_up_the_end_of_a_generation(machines):
+    """A host lost with its link cut: a copy under way waits on a connection that never answers. The generation's
+    end (its copies stopped before the daemon says what it holds) does not wait out the copy's 30-s timeout."""
+    import socket
+
+    roots, _ = machines
+    _commit_part(roots[0], 7, 0)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)                                    # connections queue, nothing is ever answered
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    copies = BuddyCopies(root=roots[0], run_id="run-a", node=0, members=[0, 1, 2], domains=(),
+                         urls=lambda: {2: url}, on_kept=lambda steps: None).start()
+    time.sleep(0.5)                                     # the copier is waiting on the silent peer
+    began = time.monotonic()
+    copies.stop()
+    assert time.monotonic() - began < 10                # not the copy's timeout (30 s)
+    silent.close()
+    assert parts.slots(reader.read_manifest(layout.step_dir(roots[0], 7))) == (frozenset({0}), 3)

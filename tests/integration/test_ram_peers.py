@@ -66,3 +66,20 @@ def test_a_peer_gone_mid_transfer_fails_within_the_deadline(tmp_path, peer):
     with pytest.raises(FetchError, match="no peer gave"):
         take([server.url], "run-a", 7, tmp_path / "mine", deadline_s=5)
     assert not list((tmp_path / "mine").glob("step-*"))
+
+
+def test_a_step_of_another_history_here_is_replaced_by_the_peers(tmp_path, peer):
+    """A machine back after the run went on without it holds a step of the same number, trained before: asked to
+    take the run's (it did not run the last generation), it ends with the peer's, not its own."""
+    root, server = peer
+    _commit(root, 7)
+    mine = tmp_path / "mine"
+    writer = ShardWriter(mine, rank=0, world=1, checksum="crc32c")
+    writer.save(7, {"w0": np.zeros(3, dtype=np.float32)}, run_state={"step": 7})
+    assert writer.wait(timeout_s=60)
+    assert take([server.url], "run-a", 7, mine, deadline_s=30) == (0, [])      # its own counts as the run's
+    copied, given = take([server.url], "run-a", 7, mine, deadline_s=30, trust_own=False)
+    assert given == [server.url] and reader.verify(layout.step_dir(mine, 7)) == []
+    got = reader.load_tensors(layout.step_dir(mine, 7))
+    assert sorted(got) == ["w0", "w1"] and np.array_equal(got["w0"], np.arange(1000, dtype=np.float32) + 7)
+    assert not list(mine.glob("step-*.deleting")) and not list(mine.glob("*.tmp"))

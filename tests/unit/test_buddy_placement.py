@@ -95,3 +95,25 @@ def test_the_config_says_buddy_placement_and_failure_domains_in_one_line():
     with pytest.raises(ConfigError, match='set checkpoint.memory_placement = "buddy"'):
         load_config(None, ascend)
     assert load_config(None, ascend + ['checkpoint.memory_placement="buddy"']).parallel.tp == 2
+
+
+def test_a_generation_without_a_lost_machine_names_the_failure_domains_of_those_left():
+    from daemon.machines.generation_handshake import generation_config
+
+    base = load_config(None, ["run.nodes=3", "parallel.dp=3", "train.global_batch=12", "train.micro_batch=4",
+                              'run.coordinator="etcd://127.0.0.1:2379"', "run.master_port=29500", "run.min_nodes=2",
+                              "checkpoint.memory_interval_steps=1", 'checkpoint.memory_placement="buddy"',
+                              'run.failure_domains="a,a,b"'])
+    shrunk = generation_config(base, {}, (0, 2), 2, "10.0.0.1")      # before: "names 3 machines; run.nodes = 2"
+    assert (shrunk.run.nodes, shrunk.run.node_rank, shrunk.run.failure_domains) == (2, 1, "a,b")
+
+
+def test_parts_newer_than_the_steps_all_hold_whole_are_taken_not_passed_over():
+    # the step the last recovery resumed from (190) is whole everywhere; the generation since wrote parts to 230
+    held = {1: record(5, [190], url="http://n1", parts={230: ({1}, 2)})}
+    got = agree((0, 1), held, last_generation=5, last_members=(0, 1), own=0, own_steps=[190],
+                own_parts={230: ({0}, 2)}, disk_step=100)
+    assert got.take == 230 and got.lacking == (0, 1)
+    # replica placement (no parts) as before: the newest step all hold
+    assert agree((0, 1), {1: record(5, [190])}, last_generation=5, last_members=(0, 1), own=0,
+                 own_steps=[190, 191], disk_step=100).steps == (190,)
