@@ -113,12 +113,21 @@ def agree(members: Collection[int], held: Mapping[int, Any], *, last_generation:
     if unheard:
         return Agreement(heard=False, steps=tuple(sorted(common)), unheard=tuple(unheard), fetching=tuple(fetching))
     done = Agreement(heard=True, steps=tuple(sorted(common)))
-    from_parts = _whole_from_parts(in_parts)          # buddy placement: newer than any step all hold whole, often
-    if any(s > disk_step for s in common) and not any(s > max(common) for s in from_parts - failed):
-        return done
-    newest = max((s for steps in (*trusted.values(), from_parts) for s in steps if s > disk_step), default=None)
-    if newest is None or newest in failed:
-        return done
+    anywhere = {s for steps in trusted.values() for s in steps} | _whole_from_parts(in_parts)
+    if any(in_parts.values()):
+        # buddy placement: the parts members write are newer than what they hold whole (a buddy's copy, a step
+        # taken), and every recovery takes anyway: the newest step whole anywhere, or made whole by the parts
+        newest = max((s for s in anywhere - failed if s > disk_step), default=None)
+        if newest is None or newest in common:
+            return done
+    else:
+        # replica: the newest step all hold, where one is newer than the disk's (a take costs a whole replica's
+        # transfer: more than the step it would save)
+        if any(s > disk_step for s in common):
+            return done
+        newest = max((s for s in anywhere if s > disk_step), default=None)
+        if newest is None or newest in failed:
+            return done
     holders = [n for n in trusted if newest in trusted[n]] + [n for n in trusted if newest in in_parts[n]]
     sources = tuple(urls[n] for n in holders if urls[n])
     if not sources:

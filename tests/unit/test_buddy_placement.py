@@ -117,3 +117,13 @@ def test_parts_newer_than_the_steps_all_hold_whole_are_taken_not_passed_over():
     # replica placement (no parts) as before: the newest step all hold
     assert agree((0, 1), {1: record(5, [190])}, last_generation=5, last_members=(0, 1), own=0,
                  own_steps=[190, 191], disk_step=100).steps == (190,)
+
+
+def test_a_step_whole_on_one_machine_by_its_copy_is_taken_by_the_other_rather_than_an_older_one():
+    """Two machines, a rank crashed mid-save on node 1: node 0 holds 24 whole (its copy of node 1's part came in)
+    and its part of 25; node 1 its parts of 23 and 24, its copy of node 0's part still at 20. Before: 24 made whole
+    nowhere by parts alone, and the run went back to 20, the newest both held whole (6 steps lost in a bench)."""
+    held = {1: record(5, [20], url="http://n1", parts={23: ({1}, 2), 24: ({1}, 2)})}
+    got = agree((0, 1), held, last_generation=5, last_members=(0, 1), own=0, own_steps=[20, 24],
+                own_parts={25: ({0}, 2)}, disk_step=0)
+    assert got.take == 24 and got.lacking == (1,) and got.steps == (20,)
