@@ -7,7 +7,8 @@ newest step of each one's own part that this machine holds too is copied into th
 buddy: the survivors' parts make that step whole, and nobody goes back to the disk. Retention keeps the step
 being copied and the newest one every peer's part was copied into (`on_kept`: RunFiles.buddy_kept) until newer
 ones are. A copy lags the ranks by a poll and a transfer; a step retired on either side while it is copied
-(the peer keeps its newest two: a part must travel within two RAM intervals) is passed over for the next.
+(each keeps the steps an incident may need, 13 by default, and its newest two: a part must travel within as
+many RAM intervals) is passed over for the next.
 """
 from __future__ import annotations
 
