@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 from typing import Collection
 
-from contracts.protocol import ExitCode
-from daemon.acting.peers import Opened, PeersUnavailableError
 from checkpointing import CheckpointError, layout, parts, reader
 from contracts.config import failure_domains
+from contracts.protocol import ExitCode
+from daemon.acting.peers import Opened, PeersUnavailableError
 from daemon.machines import memory_agreement, ram_parts, ram_peers
 from daemon.machines.buddy_copies import BuddyCopies
 from daemon.machines.etcd_client import EtcdError
@@ -100,13 +100,13 @@ class RamSharing:
         whole, in_parts = [], {}
         for step in steps:
             try:
-                held = parts.slots(reader.read_manifest(layout.step_dir(root, step)))
+                manifest = reader.read_manifest(layout.step_dir(root, step))
             except (CheckpointError, OSError):
                 continue
-            if held is None or len(held[0]) == held[1]:
+            if parts.is_whole(manifest):
                 whole.append(step)
             else:
-                in_parts[step] = held
+                in_parts[step] = parts.slots(manifest)
         return whole, in_parts
 
     def _publish_held(self, ledger: Ledger, files: RunFiles, **more) -> None:
