@@ -468,9 +468,12 @@ class Watch:
 
     def stalled_s(self, now: float) -> float:
         """How long the ranks have made no step past twice their p99 step time while they should be
-        stepping: 0 before their first step (compiling), while saving, evaluating, paused or stopping,
-        and after the run's last step."""
-        if (not self.stepping or self.saving or self.pause is not Pause.RUNNING or self.stop_sent_at is not None
+        stepping: 0 before their first step (compiling), while a rank stages a save (its phase board
+        says `save`), evaluating, paused or stopping, and after the run's last step. A save written in
+        the background does not stop the steps: ranks waiting in the gradient sum while one is in
+        flight are stalled (a partitioned machine's committer may wait on it for ever)."""
+        if (not self.stepping or any(s.phase == "save" for s in self.phases.values())
+                or self.pause is not Pause.RUNNING or self.stop_sent_at is not None
                 or self.last_step >= self.cfg.train.steps or any(p.phase == "eval" for p in self.progress.values())):
             return 0.0
         return max(0.0, now - self.last_step_at - 2.0 * (self.step_times.p99() or 0.0))
