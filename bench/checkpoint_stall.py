@@ -5,6 +5,8 @@ moments; the batch cut to 2 sequences of 64 tokens so a block of steps takes sec
 the state, and so the checkpoint, is the full size), for `checkpoint.checksum` = sha256 and crc32c:
 1. the step-blocking time of an async save (the host copy; then training goes on) against a
    synchronous save (copy, serialise, checksum, write, fsync, commit) — target: blocking ≤ 10 %;
+   the copy runs on the rank's share of the CPUs (checkpointing.staging_copy), and is measured on
+   one thread beside it;
    and the CPU seconds a save costs (the process's CPU time over a synchronous save);
 2. what a save costs the training around it: blocks of --block-steps steps in quads — none, none
    (the A/A control), one save at the block's first step with each checksum, in rotating order —
@@ -41,12 +43,28 @@ def _mean_se(values: list[float]) -> tuple[float, float]:
     return mean, (statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0)
 
 
+def _blocking_on_one_thread(trainer, ckpt) -> float:
+    """A save's blocking part with its staging copy on one thread (as before checkpointing.staging_copy)."""
+    from checkpointing.staging_copy import StagingCopier
+
+    kept, ckpt._copier = ckpt._copier, StagingCopier(1)
+    try:
+        trainer.train_step()
+        t = time.perf_counter()
+        ckpt.save({})
+        took = time.perf_counter() - t
+        ckpt.wait()
+        return took
+    finally:
+        ckpt._copier = kept
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quads", type=int, default=16)
     parser.add_argument("--block-steps", type=int, default=20)
     parser.add_argument("--interval-steps", type=int, default=50)
-    parser.add_argument("--sync-repeats", type=int, default=3)
+    parser.add_argument("--sync-repeats", type=int, default=5)
     args = parser.parse_args()
     os.environ.setdefault("GLOG_v", "3")
 
@@ -79,6 +97,7 @@ def main() -> None:
 
         blocking = {c: [] for c in CHECKSUMS}
         synchronous = {c: [] for c in CHECKSUMS}
+        one_thread: list[float] = []          # the blocking copy on the caller's thread alone, side by side
         cpu = {c: [] for c in CHECKSUMS}
         for _ in range(args.sync_repeats):
             for c, ckpt in ckpts.items():
@@ -93,6 +112,7 @@ def main() -> None:
                 ckpt.wait()
                 synchronous[c].append(time.perf_counter() - t)
                 cpu[c].append(time.process_time() - used)
+            one_thread.append(_blocking_on_one_thread(trainer, ckpts[CHECKSUMS[-1]]))
 
         def block(kind: str | None) -> float:
             t = time.perf_counter()
@@ -141,6 +161,9 @@ def main() -> None:
         r = per[c]
         print(f"{c:>9} {b:>9.3f} {s:>7.3f} {r['blocking_over_synchronous']:>6.1%} {r['cpu_s_per_save']:>6.2f} "
               f"{cost:>9.3f} ± {se:.3f} {r['throughput_loss']:>9.2%} ± {r['throughput_loss_se']:.2%}")
+    threads = ckpts[CHECKSUMS[-1]]._copier.threads
+    print(f"the blocking copy on {threads} thread(s): {statistics.median(blocking[CHECKSUMS[-1]]):.3f} s; on one: "
+          f"{statistics.median(one_thread):.3f} s ({CHECKSUMS[-1]}, side by side)")
     aa, aa_se = _mean_se(control)
     print(f"A/A control (plain − plain): {aa:+.3f} ± {aa_se:.3f} s a block; {len(waited)} saves waited, "
           f"{len(failed)} failed; targets: blocking ≤ {TARGETS['blocking_over_synchronous']:.0%}, "
@@ -153,7 +176,8 @@ def main() -> None:
         # the default checksum's figures, where the table reads them
         "blocking_over_synchronous": per[default]["blocking_over_synchronous"],
         "throughput_loss": per[default]["throughput_loss"], "steps_per_s_plain": [1 / step_s],
-        "saves_waited": len(waited), "targets": TARGETS})
+        "saves_waited": len(waited), "targets": TARGETS,
+        "staging_threads": threads, "blocking_one_thread_s": one_thread})
 
 
 if __name__ == "__main__":

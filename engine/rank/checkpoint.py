@@ -30,6 +30,7 @@ import safetensors
 
 import checkpointing
 from checkpointing import checksums, layout, partition, parts, reader, retention
+from checkpointing.staging_copy import StagingCopier, threads_for
 from checkpointing.writer import ShardWriter
 from checkpointing.writer_process import ProcessShardWriter
 from contracts.config import Config, config_hash, trajectory_dict
@@ -81,9 +82,7 @@ class TrainerCheckpoints:
         self.rank, self.world, self.generation = rank, world, generation
         self._run_state, self._load_run_state = run_state, load_run_state
         self._emit_event = emit
-        self.params = list(params)
-        self.parallelism = parallelism
-        self.sliced = parallelism.semi_auto
+        self.params, self.parallelism, self.sliced = list(params), parallelism, parallelism.semi_auto
         sizes = {p.name: int(np.prod(p.shape)) * p.data.itemsize for p in self.params}
         # whole tensors: each rank writes its share of them; slices: what it holds (`held`, once compiled)
         self.plan = {} if self.sliced else partition.assign(sizes, self.world)
@@ -119,6 +118,7 @@ class TrainerCheckpoints:
                               if self.memory_root is not None else None)
         self._views: dict[int, tuple[int, np.ndarray]] = {}   # id(parameter) -> (data_ptr, view): _host_value
         self._views_live = cfg.train.device == "cpu"
+        self._copier = StagingCopier(threads_for(self.local_world))     # the step waits: the cores are the copy's
         # what every save's run state and manifest say alike, once (config_hash alone cost a RAM save 0.7 ms)
         self._fixed_run_state = {"config_hash": config_hash(cfg), "trajectory": trajectory_dict(cfg),
                                  "seeds": {"train": cfg.train.seed, "data": cfg.data.seed},
@@ -159,7 +159,8 @@ class TrainerCheckpoints:
         asnumpy() is a view of the live parameter, so a copy is needed; it goes into the writer's
         staging buffers, allocated once and reused, which is safe because the previous save is
         finished first (ready), and much faster than fresh allocations (no page faults). The RAM
-        tier's are memory its writer process shares."""
+        tier's are memory its writer process shares. The copy runs on this machine's share of its
+        CPUs (checkpointing.staging_copy): the step waits for it, so nothing else needs them."""
         state = self._run_state()
         step = state["step"]
         writer = self.memory_writer if memory else self.writer
@@ -176,8 +177,7 @@ class TrainerCheckpoints:
             buffers = writer.staging({name: p.asnumpy() for p, name in owned})   # semi-auto: this rank's slices
             self._copies[memory] = (buffers, [(p, buffers[name]) for p, name in owned])
         mine, copies = self._copies[memory]
-        for p, buffer in copies:
-            np.copyto(buffer, self._host_value(p))
+        self._copier.copy([(self._host_value(p), buffer) for p, buffer in copies])
         commits = (self.local_rank if memory else self.rank) == 0
         writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if commits else None,
                     versions=self._versions)

@@ -266,3 +266,33 @@ def test_the_trainers_state_round_trips_through_a_checkpoint_and_retention_is_op
     assert checkpoints(b, retain=False).restore_latest()["step"] == 3
     assert b.run_state() == a.run_state() and b.params_sha256() == a.params_sha256()
     assert b.train_step().loss == a.train_step().loss
+
+
+def test_a_save_staged_on_several_threads_holds_the_step_it_was_taken_at(make_trainer, tmp_path, monkeypatch):
+    """The blocking copy cut across threads (checkpointing.staging_copy; here even a tiny save, on three):
+    the checkpoint holds the saved step's state bit for bit though the next step runs while it is written,
+    and a trainer restored from it trains the same next step."""
+    from checkpointing import staging_copy
+    from engine.rank.checkpoint import TrainerCheckpoints
+
+    monkeypatch.setattr(staging_copy, "MIN_PARALLEL_BYTES", 0)
+    root = tmp_path / "checkpoints"
+
+    def checkpoints(trainer):
+        return TrainerCheckpoints(root, trainer.cfg, params=trainer.state_params(), run_state=trainer.run_state,
+                                  load_run_state=trainer.load_run_state, rank=0, world=1, generation=0,
+                                  emit=lambda e: None, parallelism=trainer.parallelism)
+
+    a = make_trainer()
+    ckpt = checkpoints(a)
+    ckpt._copier = staging_copy.StagingCopier(3)
+    for _ in range(2):
+        a.train_step()
+    ckpt.save({"loss": 1.0})
+    saved = a.params_sha256()
+    after = a.train_step().loss                     # while the save is written
+    assert ckpt.wait() and ckpt._copier._inboxes    # its helper threads copied
+    b = make_trainer()
+    assert checkpoints(b).restore_latest()["step"] == 2
+    assert b.params_sha256() == saved
+    assert b.train_step().loss == after
