@@ -2,16 +2,18 @@
 
 Measured side by side in one process (small-20m: 20.5M parameters, ~245 MB of state with the AdamW
 moments; the batch cut to 2 sequences of 64 tokens so a block of steps takes seconds on 2 CPU cores —
-the state, and so the checkpoint, is the full size), for `checkpoint.checksum` = sha256 and crc32c:
+the state, and so the checkpoint, is the full size), for `checkpoint.checksum` = sha256 and crc32c,
+each shard written past the page cache (O_DIRECT, the writer's default: durable.write_direct), and
+crc32c through the page cache beside them (as the writer wrote before):
 1. the step-blocking time of an async save (the host copy; then training goes on) against a
    synchronous save (copy, serialise, checksum, write, fsync, commit) — target: blocking ≤ 10 %;
    the copy runs on the rank's share of the CPUs (checkpointing.staging_copy), and is measured on
    one thread beside it;
    and the CPU seconds a save costs (the process's CPU time over a synchronous save);
-2. what a save costs the training around it: blocks of --block-steps steps in quads — none, none
-   (the A/A control), one save at the block's first step with each checksum, in rotating order —
+2. what a save costs the training around it: blocks of --block-steps steps in rounds — none, none
+   (the A/A control), one save at the block's first step in each variant, in rotating order —
    timed to the save's end (the block waits for its writer before it stops the clock). A save's cost
-   is its block's time less the mean of its quad's two plain blocks; mean ± standard error over
+   is its block's time less the mean of its round's two plain blocks; mean ± standard error over
    --quads. The throughput lost with a save every --interval-steps (50) is that cost over the
    interval's plain time — target ≤ 2 % (issue 50). A ratio of two long windows with and without
    saves, as this bench measured before, moved by ±5 % between runs on a shared host.
@@ -34,6 +36,8 @@ import results_file  # bench/results_file.py: the one writer of bench/results
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 BATCH = ["train.global_batch=2", "train.micro_batch=2", "data.seq_len=64", "train.steps=100000"]
+# name -> (checkpoint.checksum, shards written past the page cache): the default's write beside the buffered one
+VARIANTS = {"sha256": ("sha256", True), "crc32c": ("crc32c", True), "crc32c_buffered": ("crc32c", False)}
 CHECKSUMS = ("sha256", "crc32c")
 TARGETS = {"blocking_over_synchronous": 0.10, "throughput_loss": 0.02}
 
@@ -82,12 +86,14 @@ def main() -> None:
         cfg = load_config(ROOT / "configs" / "small-20m.toml", base)
         trainer = Trainer(cfg, runtime.setup(cfg))
         events = []
-        ckpts = {c: TrainerCheckpoints(Path(tmp) / f"checkpoints-{c}",
+        ckpts = {v: TrainerCheckpoints(Path(tmp) / f"checkpoints-{v}",
                                        load_config(ROOT / "configs" / "small-20m.toml", [*base, f'checkpoint.checksum="{c}"']),
                                        params=trainer.state_params(), run_state=trainer.run_state,
                                        load_run_state=trainer.load_run_state, rank=0, world=1, generation=0,
                                        emit=events.append, parallelism=trainer.parallelism, retain=True)
-                 for c in CHECKSUMS}
+                 for v, (c, _) in VARIANTS.items()}
+        for v, (_, direct) in VARIANTS.items():
+            ckpts[v].writer.direct = direct
         state_bytes = sum(p.asnumpy().nbytes for p in ckpts[CHECKSUMS[0]].params)
         for _ in range(3):
             trainer.train_step()
@@ -95,10 +101,10 @@ def main() -> None:
             ckpt.save({})
             ckpt.wait()
 
-        blocking = {c: [] for c in CHECKSUMS}
-        synchronous = {c: [] for c in CHECKSUMS}
+        blocking = {c: [] for c in VARIANTS}
+        synchronous = {c: [] for c in VARIANTS}
         one_thread: list[float] = []          # the blocking copy on the caller's thread alone, side by side
-        cpu = {c: [] for c in CHECKSUMS}
+        cpu = {c: [] for c in VARIANTS}
         for _ in range(args.sync_repeats):
             for c, ckpt in ckpts.items():
                 trainer.train_step()
@@ -124,8 +130,8 @@ def main() -> None:
                 ckpts[kind].wait()            # the save's cost is all inside its block
             return time.perf_counter() - t
 
-        kinds = [None, None, *CHECKSUMS]
-        costs = {c: [] for c in CHECKSUMS}
+        kinds = [None, None, *VARIANTS]
+        costs = {c: [] for c in VARIANTS}
         control, plain = [], []
         for q in range(args.quads):
             order = kinds[q % len(kinds):] + kinds[:q % len(kinds)]
@@ -139,7 +145,7 @@ def main() -> None:
             base_s = statistics.fmean(plains)
             plain.extend(plains)
             control.append(plains[1] - plains[0])
-            for c in CHECKSUMS:
+            for c in VARIANTS:
                 costs[c].append(times[c] - base_s)
         waited = [e for e in events if e.stage == "waited"]
         failed = [e for e in events if e.stage == "failed"]
@@ -149,9 +155,9 @@ def main() -> None:
     per = {}
     print(f"state: {parameter_count(trainer.net):,} parameters, {state_bytes / 1e6:.0f} MB with optimizer state; "
           f"a step {1000 * step_s:.0f} ms; {results_file.host()['cpu']}")
-    print(f"{'checksum':>9} {'blocking':>9} {'sync s':>7} {'ratio':>6} {'CPU s':>6} {'cost s/save':>16} "
+    print(f"{'variant':>15} {'blocking':>9} {'sync s':>7} {'ratio':>6} {'CPU s':>6} {'cost s/save':>16} "
           f"{'lost @' + str(args.interval_steps):>16}")
-    for c in CHECKSUMS:
+    for c in VARIANTS:
         b, s = statistics.median(blocking[c]), statistics.median(synchronous[c])
         cost, se = _mean_se(costs[c])
         per[c] = {"blocking_s": blocking[c], "synchronous_s": synchronous[c], "cpu_s": cpu[c],
@@ -159,7 +165,7 @@ def main() -> None:
                   "cost_s_per_save": cost, "cost_s_per_save_se": se, "costs_s": costs[c],
                   "throughput_loss": cost / (interval_s + cost), "throughput_loss_se": se / (interval_s + cost)}
         r = per[c]
-        print(f"{c:>9} {b:>9.3f} {s:>7.3f} {r['blocking_over_synchronous']:>6.1%} {r['cpu_s_per_save']:>6.2f} "
+        print(f"{c:>15} {b:>9.3f} {s:>7.3f} {r['blocking_over_synchronous']:>6.1%} {r['cpu_s_per_save']:>6.2f} "
               f"{cost:>9.3f} ± {se:.3f} {r['throughput_loss']:>9.2%} ± {r['throughput_loss_se']:.2%}")
     threads = ckpts[CHECKSUMS[-1]]._copier.threads
     print(f"the blocking copy on {threads} thread(s): {statistics.median(blocking[CHECKSUMS[-1]]):.3f} s; on one: "
@@ -172,7 +178,8 @@ def main() -> None:
     results_file.write("checkpoint_stall", {
         "config": "configs/small-20m.toml", "overrides": BATCH, "state_bytes": state_bytes,
         "interval_steps": args.interval_steps, "block_steps": args.block_steps, "quads": args.quads,
-        "step_s": step_s, "control_s": aa, "control_s_se": aa_se, "checksums": per, "default_checksum": default,
+        "step_s": step_s, "control_s": aa, "control_s_se": aa_se,
+        "checksums": {c: per[c] for c in CHECKSUMS}, "buffered": per["crc32c_buffered"], "default_checksum": default,
         # the default checksum's figures, where the table reads them
         "blocking_over_synchronous": per[default]["blocking_over_synchronous"],
         "throughput_loss": per[default]["throughput_loss"], "steps_per_s_plain": [1 / step_s],

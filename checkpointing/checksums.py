@@ -29,15 +29,31 @@ def require(algorithm: str) -> str:
 
 def digest(parts: Iterable, algorithm: str) -> str:
     """The checksum of the parts' bytes one after another, as the manifest records it (hex)."""
-    if require(algorithm) == SHA256:
-        h = hashlib.sha256()
+    running = Running(algorithm)
+    running.update_all(parts)
+    return running.hexdigest()
+
+
+class Running:
+    """digest() taken as the bytes come (`update` each buffer in order; `hexdigest` at the end)."""
+
+    def __init__(self, algorithm: str):
+        self.algorithm = require(algorithm)
+        self._sha = hashlib.sha256() if algorithm == SHA256 else None
+        self._crc = 0
+
+    def update(self, data) -> None:
+        if self._sha is not None:
+            self._sha.update(data)
+        else:
+            self._crc = crc32c.crc32c(data, value=self._crc)
+
+    def update_all(self, parts: Iterable) -> None:
         for part in parts:
-            h.update(part)
-        return h.hexdigest()
-    value = 0                                   # CRC32C
-    for part in parts:
-        value = crc32c.crc32c(part, value=value)
-    return f"{value:08x}"
+            self.update(part)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest() if self._sha is not None else f"{self._crc:08x}"
 
 
 def file_digest(path: Path | str, algorithm: str) -> str:

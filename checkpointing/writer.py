@@ -58,7 +58,7 @@ class ShardWriter:
                  on_commit: Callable[[int], None] | None = None, keep_last: int | None = None,
                  keep_every: int = 0, commit_timeout_s: float = 300.0, low_priority: bool = True,
                  indent_manifest: bool = True, checksum: str = checksums.SHA256, recycle: bool = False,
-                 latest_hint: bool = True, part: Mapping[str, int] | None = None):
+                 latest_hint: bool = True, part: Mapping[str, int] | None = None, direct: bool = True):
         """`on_commit(step)` runs on rank 0's writer thread right after `step` is committed (an error
         it raises is reported like a failed save). `keep_last`/`keep_every`, for a writer used on
         its own, retire old checkpoints after each commit (retention.retire_old); None: never.
@@ -66,7 +66,8 @@ class ShardWriter:
         this writer retires, it writes the next save over (layout: `.spare/`) — the RAM tier's.
         `latest_hint`: update `LATEST` after each commit (a hint for people; the RAM tier has none).
         `part`: this writer's ranks commit one machine's part of the checkpoint ({slot, slots, ranks_per_slot}:
-        checkpointing.parts), its first rank the committer, `rank` and `world` the run's."""
+        checkpointing.parts), its first rank the committer, `rank` and `world` the run's. `direct`: shards
+        are written past the page cache where the file system allows (durable.write_direct)."""
         self.root = Path(root)
         self.rank, self.world = rank, world
         self.part = dict(part) if part and part["slots"] > 1 else None
@@ -80,6 +81,7 @@ class ShardWriter:
         self.low_priority = low_priority
         self.indent_manifest = indent_manifest   # False: the C JSON encoder, 3x faster (the RAM tier's saves)
         self.checksum, self.recycle, self.latest_hint = checksums.require(checksum), recycle, latest_hint
+        self.direct = direct
         self._layouts = PartsCache()                 # the caller's staging buffers come again each save
         self.last_error: BaseException | None = None   # of the latest save; None while it goes well
         self.last_committed: int | None = None
@@ -177,12 +179,17 @@ class ShardWriter:
             except ValueError:          # a dtype only the library knows how to name
                 parts = [safetensors_numpy.save(dict(tensors), metadata=meta)]
                 table = {n: {"shape": list(a.shape), "dtype": a.dtype.name} for n, a in tensors.items()}
+            running = checksums.Running(self.checksum)
             if self.recycle:            # a retired shard of ours, written over in place (or a new file)
                 layout.take_spare(self.root, shard, tmp / shard)
                 durable.write_over(tmp / shard, parts)
+                running.update_all(parts)
+            elif self.direct:           # past the page cache, checksummed chunk by chunk as it goes
+                durable.write_direct(tmp / shard, parts, running.update)
             else:
                 _write_durably(tmp / shard, parts)
-            marker = {"file": shard, self.checksum: checksums.digest(parts, self.checksum),
+                running.update_all(parts)
+            marker = {"file": shard, self.checksum: running.hexdigest(),
                       "size_bytes": sum(len(p) for p in parts),
                       "tensors": table}
             del parts

@@ -36,3 +36,59 @@ def test_every_part_is_written_in_order(tmp_path, count):
     assert (tmp_path / "over").read_bytes() == expected
     assert (tmp_path / "over").stat().st_ino == inode                        # its pages written over
     assert sorted(os.listdir(tmp_path)) == ["atomic", "over"]                # no temporary left
+
+
+def _big_parts() -> list:
+    """Parts that straddle write_direct's chunks: a header, tensors of odd lengths, one over a chunk."""
+    rng = np.random.default_rng(7)
+    sizes = [13, 4096, 1 << 20, 3 * (1 << 20) + 5, 0, 777]
+    return [b"header!!", *(memoryview(rng.standard_normal(n // 4 + 1).astype(np.float32)).cast("B")[:n]
+                           for n in sizes)]
+
+
+def _takes_direct(folder) -> bool:
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+    except OSError:
+        return False
+    finally:
+        (folder / "probe").unlink(missing_ok=True)
+    return True
+
+
+@pytest.mark.parametrize("where", ["disk", "tmpfs"])
+def test_a_direct_write_puts_every_byte_and_tells_each_one_in_order(tmp_path, where):
+    """Past the page cache on a disk's file system; buffered on a tmpfs (it takes no O_DIRECT), said so."""
+    from checkpointing import checksums
+    from durable import write_direct
+
+    if where == "tmpfs":
+        if not os.path.isdir("/dev/shm"):
+            pytest.skip("no /dev/shm tmpfs on this machine")
+        import tempfile
+        tmp_path = type(tmp_path)(tempfile.mkdtemp(dir="/dev/shm"))
+    parts = _big_parts()
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    told = []
+    try:
+        direct = write_direct(tmp_path / "shard", parts, lambda b: told.append(bytes(b)))
+        assert direct is _takes_direct(tmp_path)                              # a tmpfs: False; ext4, xfs: True
+        assert (tmp_path / "shard").read_bytes() == expected                 # cut back from its padded block
+        assert b"".join(told) == expected
+        assert checksums.file_digest(tmp_path / "shard", "crc32c") == checksums.digest(parts, "crc32c")
+        assert os.listdir(tmp_path) == ["shard"]                             # no temporary left
+    finally:
+        if where == "tmpfs":
+            import shutil
+            shutil.rmtree(tmp_path)
+
+
+def test_a_direct_write_that_fails_leaves_no_file(tmp_path):
+    from durable import write_direct
+
+    def full(_):
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        write_direct(tmp_path / "shard", _big_parts(), full)
+    assert os.listdir(tmp_path) == []
