@@ -197,17 +197,36 @@ def _checkpoint_stall(stall: dict) -> list[str]:
     blocked = (f"| an async disk checkpoint (small-20m, {stall['state_bytes'] / 1e6:.0f} MB): the step blocked, "
                f"against a synchronous save | **{100 * d['blocking_over_synchronous']:.1f} %** with {names[default]} "
                f"(the default; {100 * o['blocking_over_synchronous']:.1f} % with {names[other]}: its synchronous save "
-               f"is longer) | {_target(_at_most(goals['blocking_over_synchronous']), d['blocking_over_synchronous'] <= goals['blocking_over_synchronous'])} | "
+               f"is longer){_one_thread(stall, d)} | {_target(_at_most(goals['blocking_over_synchronous']), d['blocking_over_synchronous'] <= goals['blocking_over_synchronous'])} | "
                f"`checkpoint_stall.py` |")
     lost = (f"| … training lost with one every {stall['interval_steps']} steps (a {1000 * stall['step_s']:.0f}-ms step; "
-            f"{stall['quads']} quads of {stall['block_steps']}-step blocks) | **{_pct(d['throughput_loss'])}** "
+            f"{stall['quads']} rounds of {stall['block_steps']}-step blocks) | **{_pct(d['throughput_loss'])}** "
             f"± {100 * d['throughput_loss_se']:.1f} with {names[default]}: {d['cost_s_per_save']:.2f} s a save, "
             f"{d['cpu_s_per_save']:.2f} CPU s; {names[other]} {_pct(o['throughput_loss'])} ± "
-            f"{100 * o['throughput_loss_se']:.1f}: {o['cost_s_per_save']:.2f} s, {o['cpu_s_per_save']:.2f} CPU s "
+            f"{100 * o['throughput_loss_se']:.1f}: {o['cost_s_per_save']:.2f} s, {o['cpu_s_per_save']:.2f} CPU s"
+            f"{_buffered(stall.get('buffered'))} "
             f"(the A/A control {stall['control_s']:+.3f} ± {stall['control_s_se']:.3f} s a block) | "
             f"{_target(_at_most(goals['throughput_loss']), d['throughput_loss'] <= goals['throughput_loss'])} | "
             f"`checkpoint_stall.py` |")
     return [blocked, lost]
+
+
+def _buffered(b: dict | None) -> str:
+    """The same save written through the page cache, measured beside it (the writer's way before O_DIRECT)."""
+    if not b:
+        return ""
+    return (f"; through the page cache (as before) {_pct(b['throughput_loss'])} ± {100 * b['throughput_loss_se']:.1f}: "
+            f"{b['cost_s_per_save']:.2f} s, {b['cpu_s_per_save']:.2f} CPU s")
+
+
+def _one_thread(stall: dict, d: dict) -> str:
+    """The blocking copy on the save's threads against one thread, side by side."""
+    one = stall.get("blocking_one_thread_s")
+    if not one:
+        return ""
+    ms = lambda xs: 1000 * sorted(xs)[len(xs) // 2]
+    return (f"; the copy {ms(d['blocking_s']):.0f} ms on {stall['staging_threads']} threads, {ms(one):.0f} ms on one, "
+            f"the synchronous save {ms(d['synchronous_s']):.0f} ms")
 
 
 def costs(docs: dict[str, dict]) -> list[str]:
