@@ -10,7 +10,6 @@ handing work to another costs more than it saves.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -19,17 +18,6 @@ from concurrent.futures import Future
 import numpy as np
 
 MIN_PARALLEL_BYTES = 8 << 20       # below this a copy stays on the caller's thread
-MAX_THREADS = 4
-
-
-def threads_for(local_ranks: int) -> int:
-    """How many threads a rank copies with: the CPUs this process may run on shared by the machine's
-    ranks (they save at the same step), at most MAX_THREADS, at least one."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 1
-    return max(1, min(MAX_THREADS, cpus // max(1, local_ranks)))
 
 
 def runs(pairs: Sequence[tuple[np.ndarray, np.ndarray]], n: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
@@ -63,7 +51,9 @@ def _copy(run: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
 
 class StagingCopier:
     """Copies (source, destination) pairs, on `threads` threads when they are large enough: the
-    caller's and `threads - 1` of its own, started at the first large copy, each given one run."""
+    caller's and `threads - 1` of its own, started at the first large copy, each given one run. A
+    rank passes the threads it computes with (engine.model.fused_cpu.threads: its share of the
+    cores, those it is bound to): its step is what waits for the copy."""
 
     def __init__(self, threads: int):
         self.threads = max(1, threads)
@@ -80,7 +70,11 @@ class StagingCopier:
         for inbox, run in zip(self._inboxes, theirs):
             futures.append(Future())
             inbox.put((run, futures[-1]))
-        _copy(mine)
+        try:
+            _copy(mine)
+        finally:
+            for f in futures:                # never return while a helper still writes the buffers
+                f.exception()
         for f in futures:
             f.result()                       # a failed copy raises here, as on one thread
 

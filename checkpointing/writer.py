@@ -53,6 +53,12 @@ def _write_durably(path: Path, data: bytes | list) -> None:
     durable.write_atomically(path, data, sync_dir=False)
 
 
+def _copy_unlocked(dst: memoryview, src: memoryview) -> None:
+    """dst[:] = src with the GIL released (numpy's copy): this low-priority thread must not hold the
+    step's thread waiting on it."""
+    np.copyto(np.frombuffer(dst, np.uint8), np.frombuffer(src, np.uint8))
+
+
 class ShardWriter:
     def __init__(self, root: str | Path, *, rank: int, world: int, emit: Emit | None = None,
                  on_commit: Callable[[int], None] | None = None, keep_last: int | None = None,
@@ -185,7 +191,7 @@ class ShardWriter:
                 durable.write_over(tmp / shard, parts)
                 running.update_all(parts)
             elif self.direct:           # past the page cache, checksummed chunk by chunk as it goes
-                durable.write_direct(tmp / shard, parts, running.update)
+                durable.write_direct(tmp / shard, parts, running.update, copy=_copy_unlocked)
             else:
                 _write_durably(tmp / shard, parts)
                 running.update_all(parts)

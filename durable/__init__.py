@@ -60,19 +60,27 @@ DIRECT_CHUNK = 1 << 20       # a write past the page cache: this much at a time,
 _BLOCK = 4096                # O_DIRECT's alignment: of the buffer, the offset and the length
 
 
-def write_direct(path: Path | str, parts: list, on_bytes: Callable[[memoryview], None]) -> bool:
+def _copy(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
+
+
+def write_direct(path: Path | str, parts: list, on_bytes: Callable[[memoryview], None],
+                 copy: Callable[[memoryview, memoryview], None] = _copy) -> bool:
     """Writes the buffers `parts` one after another into a new file `path` past the page cache
     (O_DIRECT), through one page-aligned chunk at a time, and fsyncs it; `on_bytes` is called with
     each chunk's bytes in order (a checksum taken while they are in the CPU's cache: the parts are
     read from memory once, where a buffered write and a checksum after it read them twice and
     write them to the page cache once more, its writeback reading them again). The tail is
     padded to the block and the file cut back to its length. False where the file system takes
-    no O_DIRECT (a tmpfs): then it is written buffered, `on_bytes` called with each part. Atomic
-    as write_atomically (a hidden name, renamed over `path`; the directory is not fsynced)."""
+    no O_DIRECT (refused at the open or the first write: overlayfs on older kernels, a tmpfs before
+    Linux 6.6): then it is written buffered, `on_bytes` called with each part. Atomic
+    as write_atomically (a hidden name, renamed over `path`; the directory is not fsynced). `copy(dst,
+    src)` fills the chunk: a memoryview's own copy by default, which holds the GIL (a caller with
+    numpy passes one that releases it)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        direct = _write_direct(tmp, parts, on_bytes)
+        direct = _write_direct(tmp, parts, on_bytes, copy)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)       # a full disk must not also keep the part written
@@ -80,7 +88,8 @@ def write_direct(path: Path | str, parts: list, on_bytes: Callable[[memoryview],
     return direct
 
 
-def _write_direct(path: Path, parts: list, on_bytes: Callable[[memoryview], None]) -> bool:
+def _write_direct(path: Path, parts: list, on_bytes: Callable[[memoryview], None],
+                  copy: Callable[[memoryview, memoryview], None]) -> bool:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o666)
     except (AttributeError, OSError) as e:
@@ -96,7 +105,7 @@ def _write_direct(path: Path, parts: list, on_bytes: Callable[[memoryview], None
 
     try:
         # page-aligned; unmapped when the last view of it goes (a failure's traceback may hold one)
-        total = _write_chunks(fd, parts, mmap.mmap(-1, DIRECT_CHUNK), tell)
+        total = _write_chunks(fd, parts, mmap.mmap(-1, DIRECT_CHUNK), tell, copy)
         os.ftruncate(fd, total)
         os.fsync(fd)
     except OSError as e:
@@ -112,14 +121,15 @@ def _write_direct(path: Path, parts: list, on_bytes: Callable[[memoryview], None
     return True
 
 
-def _write_chunks(fd: int, parts: list, chunk: mmap.mmap, on_bytes: Callable[[memoryview], None]) -> int:
+def _write_chunks(fd: int, parts: list, chunk: mmap.mmap, on_bytes: Callable[[memoryview], None],
+                  copy: Callable[[memoryview, memoryview], None]) -> int:
     view, filled, total = memoryview(chunk), 0, 0
     for part in parts:
         data = memoryview(part).cast("B")
         at = 0
         while at < len(data):
             n = min(len(data) - at, len(view) - filled)
-            view[filled:filled + n] = data[at:at + n]
+            copy(view[filled:filled + n], data[at:at + n])
             filled, at = filled + n, at + n
             if filled == len(view):
                 _write_block(fd, view)
@@ -137,7 +147,10 @@ def _write_chunks(fd: int, parts: list, chunk: mmap.mmap, on_bytes: Callable[[me
 def _write_block(fd: int, view: memoryview) -> None:
     written = 0
     while written < len(view):                 # O_DIRECT writes whole blocks; a short one is of whole blocks
-        written += os.write(fd, view[written:])
+        n = os.write(fd, view[written:])
+        if n <= 0:
+            raise OSError(errno.EIO, "a write past the page cache wrote nothing")
+        written += n
 
 
 def _write_buffered(path: Path | str, parts: list, on_bytes: Callable[[memoryview], None]) -> None:

@@ -79,6 +79,11 @@ def set_threads(count: int) -> None:
         ctypes.CDLL(str(_built[0])).LlmPretrainSetThreads(_threads)
 
 
+def threads() -> int:
+    """The rank's intra-op threads, as set_threads was last told (1 before)."""
+    return _threads
+
+
 def cache_dir(env=os.environ) -> Path:
     from engine.data.prepare import cache_root
 

@@ -30,13 +30,14 @@ import safetensors
 
 import checkpointing
 from checkpointing import checksums, layout, partition, parts, reader, retention
-from checkpointing.staging_copy import StagingCopier, threads_for
+from checkpointing.staging_copy import StagingCopier
 from checkpointing.writer import ShardWriter
 from checkpointing.writer_process import ProcessShardWriter
 from contracts.config import Config, config_hash, trajectory_dict
 from contracts.errors import ConfigError
 from contracts.protocol import CheckpointEvent
 from engine.layout import parallel
+from engine.model import fused_cpu
 from engine.rank.resume_check import changed_keys
 
 RUN_STATE_VERSION = 1
@@ -99,7 +100,8 @@ class TrainerCheckpoints:
                             else partition.assign(sizes, self.local_world))
         self._last_size = (-1, 0)          # (step, bytes) of the newest committed checkpoint
         self.writer = ShardWriter(self.root, rank=self.rank, world=self.world, emit=self._emit,
-                                  on_commit=self._retire if retain else None, checksum=cfg.checkpoint.checksum)
+                                  on_commit=self._retire if retain else None, checksum=cfg.checkpoint.checksum,
+                                  direct=cfg.checkpoint.direct_io)
         # the RAM tier: the same checkpoints on a tmpfs, between disk saves; alone the newest two are kept, under the
         # daemon it retires them (daemon.processes.run_files.retire_memory: it keeps those an incident may need)
         self.memory_root = (layout.memory_root(self.root.parent, cfg.checkpoint.memory_dir, node)
@@ -118,7 +120,7 @@ class TrainerCheckpoints:
                               if self.memory_root is not None else None)
         self._views: dict[int, tuple[int, np.ndarray]] = {}   # id(parameter) -> (data_ptr, view): _host_value
         self._views_live = cfg.train.device == "cpu"
-        self._copier = StagingCopier(threads_for(self.local_world))     # the step waits: the cores are the copy's
+        self._copier = StagingCopier(fused_cpu.threads() if self._views_live else 1)   # the step's own cores
         # what every save's run state and manifest say alike, once (config_hash alone cost a RAM save 0.7 ms)
         self._fixed_run_state = {"config_hash": config_hash(cfg), "trajectory": trajectory_dict(cfg),
                                  "seeds": {"train": cfg.train.seed, "data": cfg.data.seed},
@@ -177,7 +179,11 @@ class TrainerCheckpoints:
             buffers = writer.staging({name: p.asnumpy() for p, name in owned})   # semi-auto: this rank's slices
             self._copies[memory] = (buffers, [(p, buffers[name]) for p, name in owned])
         mine, copies = self._copies[memory]
-        self._copier.copy([(self._host_value(p), buffer) for p, buffer in copies])
+        if self._views_live:                           # the CPU: views of the live parameters, on the rank's threads
+            self._copier.copy([(self._host_value(p), buffer) for p, buffer in copies])
+        else:                                          # a device: each host copy gone before the next is made
+            for p, buffer in copies:
+                np.copyto(buffer, self._host_value(p))
         commits = (self.local_rank if memory else self.rank) == 0
         writer.save(step, mine, run_state=self.manifest_run_state(state, metrics) if commits else None,
                     versions=self._versions)

@@ -92,3 +92,57 @@ def test_a_direct_write_that_fails_leaves_no_file(tmp_path):
     with pytest.raises(OSError):
         write_direct(tmp_path / "shard", _big_parts(), full)
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("refused_at", ["open", "first write"])
+def test_a_file_system_that_refuses_o_direct_gets_the_file_buffered_and_every_byte_told_once(tmp_path, monkeypatch,
+                                                                                              refused_at):
+    import errno
+
+    import durable
+
+    real_open, real_write = os.open, os.write
+
+    def opening(path, flags, *mode):
+        if flags & os.O_DIRECT and refused_at == "open":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *mode)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def writing(fd, data):
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    direct_fds: set[int] = set()
+    monkeypatch.setattr(durable.os, "open", opening)
+    monkeypatch.setattr(durable.os, "write", writing)
+    parts = _big_parts()
+    expected = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    told = []
+    assert durable.write_direct(tmp_path / "shard", parts, lambda b: told.append(bytes(b))) is False
+    assert (tmp_path / "shard").read_bytes() == expected and b"".join(told) == expected
+    assert os.listdir(tmp_path) == ["shard"]
+
+
+def test_a_disk_that_fills_mid_write_fails_the_write_and_leaves_no_file(tmp_path, monkeypatch):
+    import errno
+
+    import durable
+
+    if not _takes_direct(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system takes no O_DIRECT: its writes are writev's, tested above")
+    real_write, calls = os.write, []
+
+    def filling(fd, data):
+        calls.append(len(data))
+        if len(calls) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(durable.os, "write", filling)
+    with pytest.raises(OSError) as failed:
+        durable.write_direct(tmp_path / "shard", _big_parts(), lambda b: None)
+    assert failed.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []

@@ -77,6 +77,22 @@ def test_a_failed_copy_on_a_helper_thread_raises_in_the_caller(monkeypatch):
         StagingCopier(2).copy(list(zip(src, dst)))
 
 
-def test_the_threads_are_the_machines_cpus_shared_by_its_ranks(monkeypatch):
-    monkeypatch.setattr(staging_copy.os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert [staging_copy.threads_for(r) for r in (1, 2, 8, 16, 32)] == [4, 4, 2, 1, 1]
+def test_a_copy_that_fails_on_the_callers_thread_returns_only_once_its_helpers_are_done(monkeypatch):
+    """The staging buffers are the next save's too: no helper may still write them once copy() has returned."""
+    import time
+
+    monkeypatch.setattr(staging_copy, "MIN_PARALLEL_BYTES", 0)
+    real = staging_copy._copy
+
+    def slow_helper_failing_caller(run):
+        if threading.current_thread() is threading.main_thread():
+            raise MemoryError("the caller's run")
+        time.sleep(0.2)
+        real(run)
+
+    monkeypatch.setattr(staging_copy, "_copy", slow_helper_failing_caller)
+    src = [np.ones(1000, np.float32), np.full(1000, 2, np.float32)]
+    dst = [np.zeros(1000, np.float32), np.zeros(1000, np.float32)]
+    with pytest.raises(MemoryError):
+        StagingCopier(2).copy(list(zip(src, dst)))
+    assert (dst[1] == 2).all()                             # the helper's half landed before the error came back
