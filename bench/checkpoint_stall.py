@@ -36,7 +36,7 @@ import results_file  # bench/results_file.py: the one writer of bench/results
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 BATCH = ["train.global_batch=2", "train.micro_batch=2", "data.seq_len=64", "train.steps=100000"]
-# name -> (checkpoint.checksum, shards written past the page cache): the default's write beside the buffered one
+# name -> (checkpoint.checksum, checkpoint.direct_io): the default's write beside the buffered one
 VARIANTS = {"sha256": ("sha256", True), "crc32c": ("crc32c", True), "crc32c_buffered": ("crc32c", False)}
 CHECKSUMS = ("sha256", "crc32c")
 TARGETS = {"blocking_over_synchronous": 0.10, "throughput_loss": 0.02}
@@ -86,14 +86,14 @@ def main() -> None:
         cfg = load_config(ROOT / "configs" / "small-20m.toml", base)
         trainer = Trainer(cfg, runtime.setup(cfg))
         events = []
-        ckpts = {v: TrainerCheckpoints(Path(tmp) / f"checkpoints-{v}",
-                                       load_config(ROOT / "configs" / "small-20m.toml", [*base, f'checkpoint.checksum="{c}"']),
+        configs = {v: load_config(ROOT / "configs" / "small-20m.toml",
+                                  [*base, f'checkpoint.checksum="{c}"', f"checkpoint.direct_io={str(d).lower()}"])
+                   for v, (c, d) in VARIANTS.items()}
+        ckpts = {v: TrainerCheckpoints(Path(tmp) / f"checkpoints-{v}", configs[v],
                                        params=trainer.state_params(), run_state=trainer.run_state,
                                        load_run_state=trainer.load_run_state, rank=0, world=1, generation=0,
                                        emit=events.append, parallelism=trainer.parallelism, retain=True)
-                 for v, (c, _) in VARIANTS.items()}
-        for v, (_, direct) in VARIANTS.items():
-            ckpts[v].writer.direct = direct
+                 for v in VARIANTS}
         state_bytes = sum(p.asnumpy().nbytes for p in ckpts[CHECKSUMS[0]].params)
         for _ in range(3):
             trainer.train_step()

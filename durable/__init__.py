@@ -11,7 +11,9 @@ import errno
 import mmap
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
 
 
 def fsync_path(path: Path | str) -> None:
@@ -77,15 +79,7 @@ def write_direct(path: Path | str, parts: list, on_bytes: Callable[[memoryview],
     as write_atomically (a hidden name, renamed over `path`; the directory is not fsynced). `copy(dst,
     src)` fills the chunk: a memoryview's own copy by default, which holds the GIL (a caller with
     numpy passes one that releases it)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        direct = _write_direct(tmp, parts, on_bytes, copy)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)       # a full disk must not also keep the part written
-        raise
-    return direct
+    return _replacing(path, lambda tmp: _write_direct(tmp, parts, on_bytes, copy))
 
 
 def _write_direct(path: Path, parts: list, on_bytes: Callable[[memoryview], None],
@@ -154,12 +148,7 @@ def _write_block(fd: int, view: memoryview) -> None:
 
 
 def _write_buffered(path: Path | str, parts: list, on_bytes: Callable[[memoryview], None]) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
-        _write_all(fd, parts)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _write_file(path, parts)
     for part in parts:
         on_bytes(memoryview(part).cast("B"))
 
@@ -170,19 +159,31 @@ def write_atomically(path: Path | str, data: str | bytes | list, *, sync_dir: bo
     finds it empty). `data`: text, bytes, or a list of buffers written one after another. `sync_dir`
     also fsyncs the directory, making the rename itself durable; a caller that fsyncs the directory
     after several writes may skip it."""
+    parts = data if isinstance(data, list) else [data.encode() if isinstance(data, str) else data]
+    _replacing(path, lambda tmp: _write_file(tmp, parts))
+    if sync_dir:
+        fsync_path(Path(path).parent)
+
+
+def _replacing(path: Path | str, write: Callable[[Path], T]) -> T:
+    """`write(tmp)` to a hidden temporary name beside `path`, then renamed over it; what `write` returns.
+    A failure removes the temporary (a full disk must not also keep the part written)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    parts = data if isinstance(data, list) else [data.encode() if isinstance(data, str) else data]
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)    # as open(): less the umask
-        try:
-            _write_all(fd, parts)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        result = write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)       # a full disk must not also keep the part written
+        tmp.unlink(missing_ok=True)
         raise
-    if sync_dir:
-        fsync_path(path.parent)
+    return result
+
+
+def _write_file(path: Path | str, parts: list) -> None:
+    """The buffers one after another into a new (or emptied) file, fsynced."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)    # as open(): less the umask
+    try:
+        _write_all(fd, parts)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
