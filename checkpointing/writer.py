@@ -84,6 +84,9 @@ class ShardWriter:
         self.on_commit = on_commit
         self.keep_last, self.keep_every = keep_last, keep_every
         self.commit_timeout_s = commit_timeout_s
+        # a writer process whose rank died: whether it is so, and how long its commit then waits for shards
+        self.orphaned: Callable[[], bool] = lambda: False
+        self.orphan_wait_s = 0.0
         self.low_priority = low_priority
         self.indent_manifest = indent_manifest   # False: the C JSON encoder, 3x faster (the RAM tier's saves)
         self.checksum, self.recycle, self.latest_hint = checksums.require(checksum), recycle, latest_hint
@@ -229,12 +232,15 @@ class ShardWriter:
         """`own`: rank 0's marker, never written (only the other ranks' travel through files)."""
         others = self.committers_ranks[1:]
         markers = [tmp / layout.marker_name(r, self.world) for r in others]
-        deadline = time.monotonic() + self.commit_timeout_s
+        deadline, orphan = time.monotonic() + self.commit_timeout_s, False
         while not all(m.exists() for m in markers):
+            if not orphan and self.orphaned():     # counted once, from when it was first seen
+                deadline, orphan = min(deadline, time.monotonic() + self.orphan_wait_s), True
             if time.monotonic() > deadline:
                 missing = [r for r, m in zip(others, markers) if not m.exists()]
-                raise CheckpointError(f"rank(s) {missing} did not finish their shard of step {step} "
-                                      f"within {self.commit_timeout_s:.0f} s")
+                raise CheckpointError(f"rank(s) {missing} did not finish their shard of step {step} within "
+                                      + (f"{self.orphan_wait_s:g} s of this rank's end" if orphan else
+                                         f"{self.commit_timeout_s:.0f} s"))
             time.sleep(0.02)
         shards, tensors = [], {}
         for rank, info in zip(self.committers_ranks, [own, *(json.loads(m.read_text()) for m in markers)]):

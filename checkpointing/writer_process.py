@@ -14,10 +14,15 @@ can never hold the trainer's lock.
 
 The files, their protocol and the events are ShardWriter's exactly (the child runs one). Its
 events reach the caller's `emit` when the caller next saves, waits or calls `poll()`: the
-supervisor only notes the RAM tier's commits, it does not act on them. The child dies with
-its parent (parent-death signal); a save in flight then is lost like any crash's, and the
-`.tmp` it left is removed at the next start. A child that dies on its own fails its save
-("failed", `last_error`) and is started again at the next.
+supervisor only notes the RAM tier's commits, it does not act on them. A save handed to the child
+lands even if the rank dies right after (a crash, SIGKILL, SIGTERM to its process group): its
+tensors are already in the memory the child maps, so the child finishes that save, then sees its
+input end and exits — a rank's crash loses the step in flight, not also the one being written
+(the daemon's teardown waits for it: daemon.processes.generation.stop_all). It ignores SIGTERM
+and SIGINT for that reason; once its parent is gone, a committer waits for the other ranks' shards
+`ORPHAN_COMMIT_WAIT_S` at most (a rank that died before handing over its save never sends one).
+A child that dies on its own fails its save ("failed", `last_error`) and is started again at the
+next; a `.tmp` a killed one left is removed at the next start.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import numpy as np
 
@@ -39,7 +44,8 @@ from checkpointing.writer import ShardWriter
 
 Emit = Callable[..., None]
 _ALIGN = 64                 # each tensor's offset in the shared memory (a cache line)
-_PR_SET_PDEATHSIG = 1
+ORPHAN_COMMIT_WAIT_S = 1.0  # a committer whose rank died waits no longer for the other ranks' shards
+_IGNORED = (signal.SIGTERM, signal.SIGINT)    # by the child: it finishes the save in flight first
 _spare: tuple[int, subprocess.Popen] | None = None     # prestart()'s: (its memfd, still empty; the child)
 
 
@@ -72,8 +78,14 @@ def _spawn(fd: int) -> subprocess.Popen:
     env = dict(os.environ)
     package_root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-    child = subprocess.Popen([sys.executable, "-m", "checkpointing.writer_process", str(fd), str(os.getpid())],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), env=env)
+    # started with SIGTERM and SIGINT blocked (the mask passes through exec), so one sent to the rank's process
+    # group while the child's interpreter starts waits for it to ignore them (_finish_after)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _IGNORED)
+    try:
+        child = subprocess.Popen([sys.executable, "-m", "checkpointing.writer_process", str(fd), str(os.getpid())],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(fd,), env=env)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     os.set_blocking(child.stdout.fileno(), False)
     return child
 
@@ -267,13 +279,30 @@ def _end(child: subprocess.Popen) -> int:
 
 
 # The child ----------------------------------------------------------------------
-def _die_with(parent: int) -> None:
-    """SIGKILL when the parent dies (a crash of the rank ends its writer too)."""
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent:          # it died before the signal was asked for
-        os._exit(0)
+def _finish_after(parent: int) -> Callable[[], bool]:
+    """The child outlives its rank only to finish the save in flight: SIGTERM (the daemon stopping the
+    rank's process group) and SIGINT (a terminal's ^C to it) are ignored, the end of its input ends it.
+    Returns whether the parent is gone."""
+    for sig in _IGNORED:
+        signal.signal(sig, signal.SIG_IGN)     # (one that came while it started, blocked till now, is dropped)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _IGNORED)
+    return lambda: os.getppid() != parent
+
+
+def _lines(fd: int, orphaned: Callable[[], bool], idle_check_s: float = 0.2) -> Iterator[bytes]:
+    """The lines the rank sends, until its end of the pipe closes — or, once the rank is gone, until nothing
+    more comes (a process it forked may hold that end open: the child must not wait on it)."""
+    pending = b""
+    while True:
+        if not select.select([fd], [], [], idle_check_s)[0]:
+            if orphaned():
+                return
+            continue
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return
+        *complete, pending = (pending + chunk).split(b"\n")
+        yield from complete
 
 
 def _lowest_priority() -> None:
@@ -291,19 +320,23 @@ def _lowest_priority() -> None:
 
 def main(argv: list[str]) -> None:
     fd, parent = int(argv[0]), int(argv[1])
-    _die_with(parent)
+    orphaned = _finish_after(parent)
     replies = os.dup(1)
     os.dup2(2, 1)               # whatever else prints goes to the rank's log, never into the replies
 
     def reply(message: dict) -> None:
         data = memoryview(json.dumps(message).encode() + b"\n")
-        while data:
-            data = data[os.write(replies, data):]
+        try:
+            while data:
+                data = data[os.write(replies, data):]
+        except BrokenPipeError:  # the rank is gone: the save still lands, no one is told
+            pass
 
-    line = sys.stdin.buffer.readline()
-    if not line:                # a prestarted child no writer took: its parent ended or closed it
+    lines = _lines(sys.stdin.fileno(), orphaned)
+    first = next(lines, None)
+    if first is None:           # a prestarted child no writer took: its parent ended or closed it
         return
-    first = json.loads(line)
+    first = json.loads(first)
     if first.get("low_priority"):
         _lowest_priority()
     memory = mmap.mmap(fd, first["size"])
@@ -311,7 +344,8 @@ def main(argv: list[str]) -> None:
                for name, dtype, shape, offset in first["tensors"]}
     writer = ShardWriter(first["root"], emit=lambda stage, **info: reply({"emit": stage, **info}),
                          low_priority=False, **first["options"])
-    for line in sys.stdin.buffer:
+    writer.orphaned, writer.orphan_wait_s = orphaned, ORPHAN_COMMIT_WAIT_S
+    for line in lines:
         job = json.loads(line)
         writer.last_error = None
         writer.write_now(job["step"], tensors, job["run_state"], job["versions"])

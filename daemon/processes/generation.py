@@ -4,7 +4,8 @@ memory cgroups, signals and teardown; and the orphans a killed daemon left.
 The effects half of the supervisor (daemon.judging.watch is the judging half): the
 only module that forks or sends signals. Each process leads its own process
 group (and session), its stdout and stderr appended to its log; teardown is
-SIGTERM to every group, a grace, SIGKILL to what is left, and a reap.
+SIGTERM to every group, a grace (in which a crashed rank's RAM-tier writer finishes its save), SIGKILL to what
+is left, and a reap.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Collection, Iterator, Mapping, Sequence
 
 from contracts import phase_board
 from contracts.config import Config
@@ -133,17 +134,38 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def stop_all(workers: Sequence[Worker], *, grace_s: float, poll_s: float = 0.05) -> None:
-    """SIGTERM to every group, up to `grace_s` to exit, then SIGKILL to what is left; reaps them all."""
+    """SIGTERM to every group, up to `grace_s` for them to exit — and for a RAM-tier writer left in a group to
+    finish the save its rank handed it (checkpointing.writer_process: it ignores SIGTERM, ends with its input):
+    a crashed rank's last save then lands — then SIGKILL to what is left; reaps them all."""
     for w in workers:
         if w.popen.poll() is None:
             _signal_group(w.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(w.popen.poll() is None for w in workers):
+    while time.monotonic() < deadline and (any(w.popen.poll() is None for w in workers)
+                                           or checkpoint_writers({w.pid for w in workers})):
         time.sleep(poll_s)
     for w in workers:
         _signal_group(w.pid, signal.SIGKILL)     # also any children left in the group
         if w.popen.poll() is None:
             w.popen.wait()
+
+
+WRITER_MODULE = b"checkpointing.writer_process"
+
+
+def checkpoint_writers(groups: Collection[int], proc: Path = Path("/proc")) -> list[int]:
+    """The live (not zombie) RAM-tier writer processes in these process groups."""
+    found = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) in groups and WRITER_MODULE in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            continue                              # gone meanwhile
+    return found
 
 
 def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:

@@ -114,19 +114,22 @@ TRIALS = int(os.environ.get("CRASH_TRIALS", "30"))
 @pytest.mark.parametrize("tier", ["disk", "ram"])
 def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
     """30 kills at random moments of a writer saving continuously: every later load is one whole step
-    (the RAM tier's writer too, which writes each save over the shards of a retired one)."""
+    (the RAM tier's writer too, which writes each save over the shards of a retired one, and finishes a save
+    it was handed after its rank is killed)."""
     rng = random.Random(int(os.environ.get("CRASH_SEED", "1234")))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    outcomes = set()
+    outcomes, landed = set(), 0
     for trial in range(TRIALS):
         root = tmp_path / f"t{trial}"
         proc = subprocess.Popen([sys.executable, "-m", "tests.integration.crash_writer", str(root), tier],
                                 stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        writers = [int(pid) for pid in proc.stdout.readline().split()[1:]]    # at least one save completed
+        first = proc.stdout.readline().split()                                 # at least one save completed
+        writers = [int(pid) for pid in first[1:]]
         time.sleep(rng.uniform(0.0, 0.15))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        # the RAM tier's writer processes die with it (nothing writes on after the rank's crash)
+        saved = max([int(first[0]), *(int(line.split()[0]) for line in proc.stdout.read().splitlines())])
+        # the RAM tier's writer processes finish the save in flight, then end (nothing writes on after that)
         assert _wait_until(lambda: all(_gone(pid) for pid in writers), timeout_s=60), (trial, writers)
         committed = layout.committed_steps(root)
         for step in committed:                          # everything visible is whole ...
@@ -137,10 +140,15 @@ def test_sigkill_during_saves_never_leaves_a_partial_checkpoint(tmp_path, tier):
         assert all(np.all(t == manifest["step"]) for t in tensors.values())
         leftovers = [p.name for p in root.glob("step-*") if layout.parse_step(p.name) is None]
         outcomes.add("leftovers" if leftovers else "clean")
+        if committed and committed[-1] > saved:
+            outcomes.add("landed")                      # a save the killed process had handed over
+            landed += 1
         layout.remove_temporaries(root)
         assert [p.name for p in root.glob("step-*") if layout.parse_step(p.name) is None] == []
-    print(f"{TRIALS} kills: outcomes {sorted(outcomes)}")
-    assert "leftovers" in outcomes       # some kills did land mid-save
+    print(f"{TRIALS} kills: outcomes {sorted(outcomes)}, {landed} landed a save in flight")
+    # some kills did land mid-save: the disk's writer thread dies with its process, leaving a temporary
+    # directory; the RAM tier's writer processes finish what they were handed, so the step lands
+    assert ("leftovers" if tier == "disk" else "landed") in outcomes
 
 
 def test_closing_a_writer_whose_process_died_between_saves_frees_it_without_an_error(tmp_path):
@@ -438,3 +446,34 @@ def test_a_prestarted_writer_process_that_died_is_replaced_and_one_never_taken_e
     assert idle.wait(timeout=30) == 0
     os.close(fd)
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_ram_save_handed_to_the_writer_process_lands_though_the_rank_is_killed_right_after(tmp_path):
+    """The rank SIGKILLed the moment save() returned: its writer process finishes that save (the tensors are
+    in the memory it maps), commits it whole, and exits — a crash loses the step in flight, not also the one
+    being written."""
+    root = tmp_path / "ram"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.handover_writer", str(root), "kill"],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    writer = int(proc.stdout.readline())
+    assert proc.wait() == -signal.SIGKILL
+    assert _wait_until(lambda: _gone(writer), timeout_s=60)          # it ends by itself once done
+    assert layout.committed_steps(root) == [1]
+    step = layout.step_dir(root, 1)
+    assert reader.verify(step) == []
+    from tests.integration.handover_writer import ELEMENTS, VALUE
+    (w,) = reader.load_tensors(step, reader.read_manifest(step)).values()
+    assert w.shape == (ELEMENTS,) and np.all(w == VALUE)
+
+
+def test_a_committing_writer_process_whose_rank_died_waits_only_a_moment_for_shards_that_never_come(tmp_path):
+    """Rank 0 of two handed its save over and was killed; rank 1 never saved (it died before its copy): the
+    orphaned committer gives up after ORPHAN_COMMIT_WAIT_S, not the commit timeout (300 s: a teardown would
+    wait its whole grace for it), leaving no step and no temporary directory."""
+    root = tmp_path / "ram"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.handover_writer", str(root), "kill", "2"],
+                            stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT)
+    writer = int(proc.stdout.readline())
+    proc.wait()
+    assert _wait_until(lambda: _gone(writer), timeout_s=60)
+    assert layout.committed_steps(root) == [] and list(root.glob("step-*")) == []

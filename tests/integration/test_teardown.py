@@ -1,0 +1,43 @@
+"""A generation's teardown (daemon.processes.generation.stop_all) against real processes."""
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from checkpointing import layout, reader
+from daemon.processes import generation
+from tests.integration.handover_writer import ELEMENTS, VALUE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_teardown_lets_a_ranks_writer_process_finish_the_ram_save_it_was_handed(tmp_path):
+    """SIGTERM to the rank's process group ends the rank at once (Python's default), while its RAM-tier writer,
+    handed step 1 just before, ignores it: stop_all waits for the writer to commit the save and exit before it
+    SIGKILLs what is left, so the step lands and nothing of the group is left running."""
+    root = tmp_path / "ram"
+    worker = generation.spawn([sys.executable, "-m", "tests.integration.handover_writer", str(root), "stay"],
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), log_path=tmp_path / "rank.log",
+                              role="rank", rank=0, cwd=str(ROOT))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "rank.log").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    writer = int((tmp_path / "rank.log").read_text().split()[0])      # save() has returned
+    generation.stop_all([worker], grace_s=60)
+    assert generation.checkpoint_writers({worker.pid}) == []
+    assert _ended(writer)
+    assert layout.committed_steps(root) == [1]
+    step = layout.step_dir(root, 1)
+    assert reader.verify(step) == []
+    (w,) = reader.load_tensors(step, reader.read_manifest(step)).values()
+    assert w.shape == (ELEMENTS,) and np.all(w == VALUE)
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie its new parent (init) has not reaped: it runs nothing."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
