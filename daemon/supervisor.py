@@ -175,7 +175,7 @@ class Supervisor:
                     ledger.emit("cut_off", level="warning", detail=outcome.incident.detail)
                 outcome = self.peers.conclude(n, outcome, requested=w.stop_sent_at is not None or bool(self.stop_reason))
                 ledger.generation_over(getattr(outcome, "incident", None))
-                gen.grace_s = watch.teardown_grace_s(outcome, cfg.run.kill_grace_s, saving=w.saving)
+                gen.grace_s, gen.writers_grace_s = watch.teardown_graces(outcome, cfg.run.kill_grace_s, saving=w.saving)
         finally:
             self.ledger.note_processes(self.spare.records())     # a standby waits on through recovery
             ledger.save()

@@ -255,6 +255,20 @@ def teardown_grace_s(outcome: Outcome, kill_grace_s: float, *, saving: bool = Tr
     return min(kill_grace_s, failed_grace_s)
 
 
+def teardown_graces(outcome: Outcome, kill_grace_s: float, *, saving: bool = True,
+                    failed_grace_s: float = 2.0) -> tuple[float, float]:
+    """(the ranks' grace: teardown_grace_s; how long the RAM tier's writers left after their ranks may finish
+    the save they were handed). Those saves are the ranks' newest state: after a crash or hang they are waited
+    for (failed_grace_s at most), so the crash loses only the step in flight; a numerical incident's state is
+    thrown away and a cut-off node commits nothing (killed at once); after a stop, as long as the ranks."""
+    ranks = teardown_grace_s(outcome, kill_grace_s, saving=saving, failed_grace_s=failed_grace_s)
+    if not isinstance(outcome, Failed):
+        return ranks, kill_grace_s
+    if outcome.incident.evidence.get("cut_off") or not outcome.incident.kind.is_process_fault:
+        return ranks, 0.0
+    return ranks, min(kill_grace_s, failed_grace_s)
+
+
 # The watch ----------------------------------------------------------------------------------
 
 @dataclasses.dataclass

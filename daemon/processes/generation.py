@@ -133,23 +133,33 @@ def _signal_group(pgid: int, sig: int) -> None:
         pass
 
 
-def stop_all(workers: Sequence[Worker], *, grace_s: float, poll_s: float = 0.05) -> None:
-    """SIGTERM to every group, up to `grace_s` for them to exit — and for a RAM-tier writer left in a group to
-    finish the save its rank handed it (checkpointing.writer_process: it ignores SIGTERM, ends with its input):
-    a crashed rank's last save then lands — then SIGKILL to what is left; reaps them all."""
+def stop_all(workers: Sequence[Worker], *, grace_s: float, writers_s: float | None = None,
+             poll_s: float = 0.05) -> None:
+    """SIGTERM to every group, up to `grace_s` for them to exit, then SIGKILL to the processes left; reaps them
+    all. A RAM-tier writer left in a group (checkpointing.writer_process: it ignores SIGTERM and finishes the
+    save its rank handed it) is given up to `writers_s` more (None: `grace_s`) — a crashed rank's last save then
+    lands — before SIGKILL to whatever is left in the groups."""
     for w in workers:
         if w.popen.poll() is None:
             _signal_group(w.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and (any(w.popen.poll() is None for w in workers)
-                                           or checkpoint_writers({w.pid for w in workers})):
+    while time.monotonic() < deadline and any(w.popen.poll() is None for w in workers):
         time.sleep(poll_s)
     for w in workers:
-        _signal_group(w.pid, signal.SIGKILL)     # also any children left in the group
         if w.popen.poll() is None:
+            w.popen.kill()
             w.popen.wait()
+    deadline = time.monotonic() + (grace_s if writers_s is None else writers_s)
+    while time.monotonic() < deadline and checkpoint_writers({w.pid for w in workers}):
+        time.sleep(poll_s)
+    for w in workers:
+        _signal_group(w.pid, signal.SIGKILL)     # any children left in the group
+    deadline = time.monotonic() + KILLED_WRITERS_WAIT_S
+    while time.monotonic() < deadline and checkpoint_writers({w.pid for w in workers}):
+        time.sleep(poll_s / 10)                  # a killed writer's last system call ends before what comes next
 
 
+KILLED_WRITERS_WAIT_S = 5.0
 WRITER_MODULE = b"checkpointing.writer_process"
 
 
@@ -175,11 +185,14 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     to their process groups. Only training ranks save: a scheduler or a standby is not waited for
     (a scheduler outlives its ranks by MindSpore's heartbeat timeout), nor a rank that logged its
     exit event (its save is done; what is left is a second of MindSpore's and the interpreter's
-    teardown). Returns the records it had to kill: not those that had finished."""
+    teardown) — but for its RAM-tier writer, given the same grace to land the save it was handed.
+    Returns the records it had to kill: not those that had finished."""
     alive = lambda recs: [r for r in recs if is_running(r)]
     savers = [r for r in records if r.get("role") == "rank" and not r.get("standby")]
     deadline = time.monotonic() + grace_s
-    while (saving := [r for r in alive(savers) if not _logged_exit(r)]) and time.monotonic() < deadline:
+    groups = {r["pgid"] for r in savers}
+    while (((saving := [r for r in alive(savers) if not _logged_exit(r)]) or checkpoint_writers(groups))
+           and time.monotonic() < deadline):    # (and their RAM-tier writers, landing what they were handed)
         time.sleep(0.05)
     left = alive(records)
     for rec in left:
@@ -264,6 +277,7 @@ class Generation:
         self.port: int | None = None             # its scheduler's, or a local group's name (launch)
         self._reported: set[int] = set()
         self.grace_s = cfg.run.kill_grace_s
+        self.writers_grace_s = cfg.run.kill_grace_s    # for RAM-tier writers left after their ranks (stop_all)
         sock_path.unlink(missing_ok=True)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(str(sock_path))
@@ -425,7 +439,7 @@ class Generation:
         return self
 
     def __exit__(self, *exc) -> None:
-        stop_all(self.workers, grace_s=self.grace_s)
+        stop_all(self.workers, grace_s=self.grace_s, writers_s=self.writers_grace_s)
         self.sock.close()
         self.sock_path.unlink(missing_ok=True)
         if self.port is not None:           # a local group's files, every generation's phase board

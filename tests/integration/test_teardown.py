@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from checkpointing import layout, reader
 from daemon.processes import generation
@@ -18,13 +19,8 @@ def test_the_teardown_lets_a_ranks_writer_process_finish_the_ram_save_it_was_han
     handed step 1 just before, ignores it: stop_all waits for the writer to commit the save and exit before it
     SIGKILLs what is left, so the step lands and nothing of the group is left running."""
     root = tmp_path / "ram"
-    worker = generation.spawn([sys.executable, "-m", "tests.integration.handover_writer", str(root), "stay"],
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)), log_path=tmp_path / "rank.log",
-                              role="rank", rank=0, cwd=str(ROOT))
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "rank.log").read_text().strip() and time.monotonic() < deadline:
-        time.sleep(0.001)
-    writer = int((tmp_path / "rank.log").read_text().split()[0])      # save() has returned
+    worker = _handed_over(tmp_path, root)
+    writer = int((tmp_path / "rank.log").read_text().split()[0])
     generation.stop_all([worker], grace_s=60)
     assert generation.checkpoint_writers({worker.pid}) == []
     assert _ended(writer)
@@ -33,6 +29,32 @@ def test_the_teardown_lets_a_ranks_writer_process_finish_the_ram_save_it_was_han
     assert reader.verify(step) == []
     (w,) = reader.load_tensors(step, reader.read_manifest(step)).values()
     assert w.shape == (ELEMENTS,) and np.all(w == VALUE)
+
+
+@pytest.mark.parametrize("writers_s", [10.0, 0.0])
+def test_after_a_crash_the_ranks_are_killed_at_once_and_their_writer_gets_its_own_grace(tmp_path, writers_s):
+    """The crash path: no grace for the ranks (they sit in a collective), the rank SIGKILLed at once; its
+    writer is given `writers_s` to land the save (teardown_graces: 2 s after a crash or hang), none after a
+    numerical incident — then it is killed, and what it left is a temporary directory, never a step."""
+    root = tmp_path / "ram"
+    worker = _handed_over(tmp_path, root)
+    generation.stop_all([worker], grace_s=0.0, writers_s=writers_s)
+    assert worker.popen.returncode is not None                       # the rank: gone at once
+    assert generation.checkpoint_writers({worker.pid}) == []
+    assert layout.committed_steps(root) == ([1] if writers_s else [])
+    if writers_s:
+        assert reader.verify(layout.step_dir(root, 1)) == []
+
+
+def _handed_over(tmp_path: Path, root: Path) -> generation.Worker:
+    """A rank (handover_writer "stay") that has handed step 1 to its RAM-tier writer process."""
+    worker = generation.spawn([sys.executable, "-m", "tests.integration.handover_writer", str(root), "stay"],
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)), log_path=tmp_path / "rank.log",
+                              role="rank", rank=0, cwd=str(ROOT))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "rank.log").read_text().strip() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return worker
 
 
 def _ended(pid: int) -> bool:

@@ -335,6 +335,13 @@ def test_teardown_grace_depends_on_how_the_generation_ended(kind, grace):
     assert watch.teardown_grace_s(failed, 10.0, saving=True) == grace
     assert watch.teardown_grace_s(failed, 10.0, saving=False) == 0.0    # nothing to wait for: recover now
     assert watch.teardown_grace_s(Finished(5), 10.0, saving=False) == 10.0
+    # the RAM tier's writers left after a crash or hang finish the rank's newest save; a numerical
+    # incident's state is thrown away, a cut-off node's too (killed at once)
+    assert watch.teardown_graces(failed, 10.0, saving=False) == (0.0, grace)
+    assert watch.teardown_graces(failed, 1.0, saving=False) == (0.0, min(grace, 1.0))
+    cut = Failed(Incident(kind=kind, first_step=1, last_step=1, evidence={"cut_off": True}))
+    assert watch.teardown_graces(cut, 10.0, saving=True) == (0.0, 0.0)
+    assert watch.teardown_graces(Finished(5), 10.0, saving=False) == (10.0, 10.0)
 
 
 def test_a_checkpoint_is_in_flight_from_staged_until_committed_or_failed():
