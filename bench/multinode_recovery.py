@@ -30,7 +30,8 @@ of a round) after a disk checkpoint, as faults come anywhere in the interval. Ta
 the RAM tier every step (issue 50). The elastic run keeps its micro-batch on two hosts (global
 batch 24: 3 x 4 x 2 becomes 2 x 4 x 3), so a local group's smaller generation reuses the compiled step
 (daemon/processes/run_files.py); MindSpore's cluster compiles its new shape. Needs root (network namespaces).
-Writes bench/results/multinode_recovery.json.
+Writes bench/results/multinode_recovery.json; with --cases, the cases not run keep their figures there (each
+case says its own sitting: `when`, `rounds`).
 
     sudo python bench/multinode_recovery.py [--rounds 3] [--cases rank_crash,host_lost,host0_lost]
 """
@@ -273,10 +274,13 @@ def main() -> None:
     for c, by in summary.items():
         print(f"{c:11s} " + "   ".join(f"{k}: {v['median_s']:.2f} s ({v['min_s']:.2f}–{v['max_s']:.2f}), "
                                        f"{v['median_steps_lost']:g} steps lost" for k, v in by.items()))
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat()
+    for by in summary.values():
+        by.update(when=when, rounds=args.rounds)     # each case its own sitting: --cases keeps the others'
+    kept = {c: by for c, by in results_file.read("multinode_recovery").get("cases", {}).items() if c not in summary}
     path = results_file.write("multinode_recovery", {
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "cpus": len(os.sched_getaffinity(0)), "lease_ttl_s": LEASE_S, "rounds": args.rounds,
-        "checkpoint_interval_steps": INTERVAL, "cases": summary})
+        "when": when, "cpus": len(os.sched_getaffinity(0)), "lease_ttl_s": LEASE_S, "rounds": args.rounds,
+        "checkpoint_interval_steps": INTERVAL, "cases": {**kept, **summary}})
     print(f"wrote {path}")
 
 

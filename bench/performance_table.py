@@ -145,7 +145,8 @@ def faults(docs: dict[str, dict]) -> list[str]:
                 met += "; " + _target("≤ 1 step lost (RAM tier)", max(ram["steps_lost"]) <= 1)
             rows.append(f"| {label} → the first step on every host left | **{d['median_s']:.2f} s** "
                         f"({d['min_s']:.2f}–{d['max_s']:.2f}){lost(d)}{every}; {others} | "
-                        f"{met} | `multinode_recovery.py`, {mn['rounds']} rounds |")
+                        f"{met} | `multinode_recovery.py`, {c.get('rounds', mn['rounds'])} rounds"
+                        + (f" ({c['when'][:16].replace('T', ' ')})" if c.get("when", mn.get("when")) != mn.get("when") else "") + " |")
     scale = docs.get("multinode_scale")
     if scale:
         for size in scale["sizes"]:
