@@ -356,3 +356,6 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)     # without the interpreter's teardown: a generation's teardown waits for this process to end

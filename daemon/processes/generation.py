@@ -135,43 +135,67 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 def stop_all(workers: Sequence[Worker], *, grace_s: float, writers_s: float | None = None,
              poll_s: float = 0.05) -> None:
-    """SIGTERM to every group, up to `grace_s` for them to exit, then SIGKILL to the processes left; reaps them
-    all. A RAM-tier writer left in a group (checkpointing.writer_process: it ignores SIGTERM and finishes the
-    save its rank handed it) is given up to `writers_s` more (None: `grace_s`) — a crashed rank's last save then
-    lands — before SIGKILL to whatever is left in the groups."""
+    """SIGTERM to every group, up to `grace_s` for them to exit, then SIGKILL to what is left; reaps them all.
+    A RAM-tier writer left in a group (checkpointing.writer_process: it ignores SIGTERM and finishes the save its
+    rank handed it) is given up to `writers_s` more (None: `grace_s`; 0: killed with its rank) — a crashed rank's
+    last save then lands — and is gone, landed or killed, when this returns."""
     for w in workers:
         if w.popen.poll() is None:
             _signal_group(w.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(w.popen.poll() is None for w in workers):
         time.sleep(poll_s)
+    writers_s = grace_s if writers_s is None else writers_s
     for w in workers:
-        if w.popen.poll() is None:
-            w.popen.kill()
-            w.popen.wait()
-    deadline = time.monotonic() + (grace_s if writers_s is None else writers_s)
-    while time.monotonic() < deadline and checkpoint_writers({w.pid for w in workers}):
-        time.sleep(poll_s)
+        if w.popen.poll() is None:           # the rank alone where its writer may finish, else its whole group
+            w.popen.kill() if writers_s > 0 else _signal_group(w.pid, signal.SIGKILL)
     for w in workers:
-        _signal_group(w.pid, signal.SIGKILL)     # any children left in the group
-    deadline = time.monotonic() + KILLED_WRITERS_WAIT_S
-    while time.monotonic() < deadline and checkpoint_writers({w.pid for w in workers}):
-        time.sleep(poll_s / 10)                  # a killed writer's last system call ends before what comes next
+        w.popen.wait()
+    groups = {w.pid for w in workers}
+    _wait_for_writers(groups, writers_s, orphaned_only=False)
+    for pgid in _live_groups(groups):        # (a group left empty is not signalled: its id may be reused)
+        _signal_group(pgid, signal.SIGKILL)
+    _wait_for_writers(groups, KILLED_WRITERS_WAIT_S, orphaned_only=False)
 
 
-KILLED_WRITERS_WAIT_S = 5.0
+KILLED_WRITERS_WAIT_S = 2.0      # for a SIGKILLed writer's last system call (a rename) to end
 WRITER_MODULE = b"checkpointing.writer_process"
 
 
-def checkpoint_writers(groups: Collection[int], proc: Path = Path("/proc")) -> list[int]:
-    """The live (not zombie) RAM-tier writer processes in these process groups."""
+def _wait_for_writers(groups: Collection[int], seconds: float, *, orphaned_only: bool) -> None:
+    """Until no RAM-tier writer is left in `groups` (or only ones whose rank still runs: `orphaned_only`), at most
+    `seconds`. Polled every 5 ms: an idle writer ends within milliseconds of its rank."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and checkpoint_writers(groups, orphaned_only=orphaned_only):
+        time.sleep(0.005)
+
+
+def _live_groups(groups: Collection[int]) -> list[int]:
+    """Those of `groups` with a process left in them (zombies included)."""
+    live = []
+    for pgid in groups:
+        try:
+            os.killpg(pgid, 0)
+            live.append(pgid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return live
+
+
+def checkpoint_writers(groups: Collection[int], *, orphaned_only: bool = False,
+                       proc: Path = Path("/proc")) -> list[int]:
+    """The live (not zombie) RAM-tier writer processes in these process groups (`orphaned_only`: those whose rank,
+    their parent and the group's leader, is gone). /proc is read only where a group still has a process."""
+    groups = set(_live_groups(groups))
     found = []
-    for entry in proc.iterdir():
+    for entry in proc.iterdir() if groups else ():
         if not entry.name.isdigit():
             continue
         try:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) in groups and WRITER_MODULE in (entry / "cmdline").read_bytes():
+            state, parent, group = fields[0], int(fields[1]), int(fields[2])
+            if (state != "Z" and group in groups and not (orphaned_only and parent == group)
+                    and WRITER_MODULE in (entry / "cmdline").read_bytes()):
                 found.append(int(entry.name))
         except (OSError, IndexError, ValueError):
             continue                              # gone meanwhile
@@ -190,15 +214,15 @@ def kill_orphans(records: Sequence[dict], grace_s: float = 0.0) -> list[dict]:
     alive = lambda recs: [r for r in recs if is_running(r)]
     savers = [r for r in records if r.get("role") == "rank" and not r.get("standby")]
     deadline = time.monotonic() + grace_s
-    groups = {r["pgid"] for r in savers}
-    while (((saving := [r for r in alive(savers) if not _logged_exit(r)]) or checkpoint_writers(groups))
-           and time.monotonic() < deadline):    # (and their RAM-tier writers, landing what they were handed)
+    groups = {r["pgid"] for r in savers}      # and the RAM-tier writers of ranks gone, landing what they were handed
+    while (((saving := [r for r in alive(savers) if not _logged_exit(r)])
+            or checkpoint_writers(groups, orphaned_only=True)) and time.monotonic() < deadline):
         time.sleep(0.05)
     left = alive(records)
-    for rec in left:
-        _signal_group(rec["pgid"], signal.SIGKILL)
+    for pgid in {r["pgid"] for r in left} | set(_live_groups(groups)):
+        _signal_group(pgid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and alive(left):
+    while time.monotonic() < deadline and (alive(left) or checkpoint_writers(groups)):
         time.sleep(0.05)
     finished = {r["pid"] for r in savers if r not in saving}
     return [r for r in left if r["pid"] not in finished]
