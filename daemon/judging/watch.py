@@ -261,12 +261,8 @@ def teardown_graces(outcome: Outcome, kill_grace_s: float, *, saving: bool = Tru
     the save they were handed). Those saves are the ranks' newest state: after a crash or hang they are waited
     for (failed_grace_s at most), so the crash loses only the step in flight; a numerical incident's state is
     thrown away and a cut-off node commits nothing (killed at once); after a stop, as long as the ranks."""
-    ranks = teardown_grace_s(outcome, kill_grace_s, saving=saving, failed_grace_s=failed_grace_s)
-    if not isinstance(outcome, Failed):
-        return ranks, kill_grace_s
-    if outcome.incident.evidence.get("cut_off") or not outcome.incident.kind.is_process_fault:
-        return ranks, 0.0
-    return ranks, min(kill_grace_s, failed_grace_s)
+    return (teardown_grace_s(outcome, kill_grace_s, saving=saving, failed_grace_s=failed_grace_s),
+            teardown_grace_s(outcome, kill_grace_s, saving=True, failed_grace_s=failed_grace_s))   # a save is there
 
 
 # The watch ----------------------------------------------------------------------------------
