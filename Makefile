@@ -42,6 +42,7 @@ test-fast: $(INSTALLED)
 bench: $(INSTALLED)
 	$(BIN)/python bench/engine_throughput.py
 	$(BIN)/python bench/vs_pytorch.py --recompute
+	$(BIN)/python bench/step_dispatch.py
 	$(BIN)/python bench/data_throughput.py
 	$(BIN)/python bench/checkpoint_stall.py
 	$(BIN)/python bench/ram_tier.py
